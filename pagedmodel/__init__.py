@@ -1,0 +1,1 @@
+"""pagedmodel: Kubernetes-native paged-KV LLM serving."""

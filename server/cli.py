@@ -1,0 +1,53 @@
+"""The `pagedmodel` command line: one entry point, one subcommand per job.
+
+Each subcommand lives in the module that owns it; this file only wires argparse
+and imports lazily, so `pagedmodel --help` stays fast and a missing optional
+dependency of one job never breaks another.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("pagedmodel.server.api_server", "serve a model over the OpenAI-compatible HTTP API"),
+    "generate": ("pagedmodel.server.generate_cli", "generate text offline from prompts (no HTTP)"),
+    "models": ("pagedmodel.server.model_store", "prepare models offline (`models pull`)"),
+    "router": ("pagedmodel.server.router", "rate-limiting, KV-aware router in front of engine replicas"),
+    "operator": ("pagedmodel.operator.main", "run the PagedModel Kubernetes operator"),
+    "bench": ("pagedmodel.server.bench", "load-test a running server (`bench serve`)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedmodel", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if not exc.name or not module_name.startswith(exc.name):
+                raise
+            continue  # not built yet: the subcommand is simply absent from --help
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sp)
+        sp.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""What the engine hands back per request and step: cumulative text and tokens, finish state, timings."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    # one dict per generated token: {token_id: logprob}, chosen token included; None unless asked for
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0   # prompt tokens served from the prefix cache
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    new_token_counts: list[int] = field(default_factory=list)  # tokens added this step, per output
