@@ -1,0 +1,90 @@
+"""Engine configuration: the vLLM-named flags, their validation, and the values derived from them."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+PREEMPTION_MODES = ("swap", "recompute")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A flag value that cannot work; the CLI prints it and exits 2."""
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None            # local HF dir, a known name ("smollm2"), or a hub id; None = default
+    served_model_name: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None   # None: max(max_model_len, 2048) -- one full prompt fits
+    max_model_len: int | None = None            # None: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None          # bytes for the KV cache; CPU default 1 GiB
+    num_gpu_blocks_override: int | None = None  # exact block count (tests use it to force preemption)
+    swap_space: float = 4.0                     # GiB of CPU swap space for preempted sequences
+    enable_prefix_caching: bool = False
+    preemption_mode: str | None = None          # None: swap for multi-sequence groups, recompute otherwise
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = False
+    max_queue_len: int | None = None            # waiting requests beyond this are refused (HTTP 503)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ConfigError(f"--block-size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"--kv-cache-memory must be a positive byte count, got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ConfigError("num_gpu_blocks_override must be >= 1")
+        if self.swap_space < 0:
+            raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space}")
+        if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"--preemption-mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.max_queue_len is not None and self.max_queue_len < 0:
+            raise ConfigError(f"--max-queue-len must be >= 0, got {self.max_queue_len}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = EngineArgs.__dataclass_fields__
+        a = parser.add_argument
+        a("--model", default=None, help="HF-format model directory, 'smollm2', or a hub id (default: SmolLM2-135M-Instruct)")
+        a("--served-model-name", default=None, help="model name reported by the API (default: the model's name)")
+        a("--block-size", type=int, default=d["block_size"].default, choices=SUPPORTED_BLOCK_SIZES, help="tokens per KV block")
+        a("--max-num-seqs", type=int, default=d["max_num_seqs"].default, help="most sequences in one batch")
+        a("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (chunked prefill splits longer prompts)")
+        a("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens (default: the model's)")
+        a("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default, help="share of GPU memory for weights + activations + KV cache")
+        a("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (CPU; default 1 GiB)")
+        a("--swap-space", type=float, default=d["swap_space"].default, help="GiB of CPU memory for swapped-out KV blocks")
+        a("--enable-prefix-caching", action="store_true", help="reuse KV blocks of identical prompt prefixes")
+        a("--preemption-mode", choices=PREEMPTION_MODES, default=None, help="how to free KV blocks when they run out")
+        a("--dtype", choices=DTYPES, default="auto", help="weights and activations dtype (auto: bf16 on GPU, fp32 on CPU)")
+        a("--device", default="auto", help="auto, cpu or cuda[:N]")
+        a("--seed", type=int, default=0, help="seed for requests without one")
+        a("--enforce-eager", action="store_true", help="disable CUDA graphs")
+        a("--max-queue-len", type=int, default=None, help="waiting requests beyond this get HTTP 503")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
