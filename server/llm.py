@@ -1,0 +1,51 @@
+"""Offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, no server involved."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from .config import EngineArgs
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order, with timings in ``.metrics``."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        ids = []
+        for prompt, p in zip(prompts, params_list):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, prompt, p)
+            ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(ids), desc="generate", unit="req")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if progress:
+                        progress.update(1)
+        if progress:
+            progress.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,21 @@
+"""A snapshot of the engine's state and cumulative counters, for metrics and autoscaling."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float      # 0..1: share of blocks referenced by sequences
+    cpu_cache_usage: float     # 0..1: share of swap space in use
+    num_blocks_total: int
+    num_blocks_free: int       # includes cached-but-unreferenced blocks (evictable)
+    fragmentation: float       # share of allocated slots holding no token
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    num_preemptions_total: int
