@@ -1,0 +1,310 @@
+"""The async front of the engine: one background thread steps it, asyncio handlers await their outputs.
+
+The engine is not thread-safe, so only the loop thread ever touches it. Handlers talk to that thread
+through a command queue (add / abort) and get their outputs back on per-request asyncio queues, posted
+with `call_soon_threadsafe`. Commands are drained before every step, so an abort (a client that went
+away) frees its KV blocks before the next forward pass. If a step raises, the loop stops for good:
+every pending request fails with EngineDeadError and `is_healthy` turns false (/health answers 503).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pagedmodel.server.outputs import RequestOutput
+from pagedmodel.server.sampling_params import SamplingParams
+
+logger = logging.getLogger("pagedmodel.server.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (crashed or shut down); the request cannot complete."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queue-len; the client should retry later (HTTP 503)."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineLike(Protocol):
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
+                    arrival_time: float | None = None, priority: int = 0) -> None: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def stats(self) -> Any: ...
+
+
+class StepObserver(Protocol):
+    """Called on the loop thread; metrics use it. Must be cheap and must not raise."""
+
+    def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None: ...
+    def on_abort(self, request_id: str) -> None: ...
+
+
+@dataclass
+class SubRequest:
+    """One engine request inside an HTTP request (a prompt x one of its n samples)."""
+
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    choice_index: int
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request, and the asyncio queue their outputs arrive on.
+
+    Items are (choice_index, RequestOutput) or (None, exception). Outputs are cumulative, so a slow
+    consumer may skip intermediate ones: it only needs the latest per choice.
+    """
+
+    def __init__(self, subs: list[SubRequest], loop: asyncio.AbstractEventLoop):
+        self.subs = subs
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int | None, Any]] = asyncio.Queue()
+        self.unfinished = {s.request_id for s in subs}
+        self.accepted: asyncio.Future[None] = loop.create_future()
+
+    # --- called from the loop thread
+    def _post(self, item: tuple[int | None, Any]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is listening any more
+
+    def _resolve(self, exc: BaseException | None) -> None:
+        def set_result() -> None:
+            if self.accepted.done():
+                return
+            if exc is None:
+                self.accepted.set_result(None)
+            else:
+                self.accepted.set_exception(exc)
+        try:
+            self.loop.call_soon_threadsafe(set_result)
+        except RuntimeError:
+            pass
+
+    # --- called from handlers
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (choice_index, cumulative output) until every sub-request has finished."""
+        while self.unfinished:
+            idx, item = await self.queue.get()
+            if idx is None:
+                raise item
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+            yield idx, item
+
+
+@dataclass
+class _Add:
+    group: RequestGroup
+    priority: int
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the handler may read while the engine keeps appending to its own lists."""
+    outs = [dataclasses.replace(o, token_ids=list(o.token_ids),
+                                logprobs=None if o.logprobs is None else list(o.logprobs))
+            for o in out.outputs]
+    return dataclasses.replace(out, outputs=outs, prompt_token_ids=list(out.prompt_token_ids),
+                               new_token_counts=list(out.new_token_counts))
+
+
+class AsyncEngine:
+    """Runs `engine` on a background thread; `add` / `abort` are called from the asyncio loop."""
+
+    def __init__(self, engine: EngineLike, *, max_queue_len: int | None = None,
+                 observer: StepObserver | None = None, retry_after_s: int = 1):
+        self.engine = engine
+        self.max_queue_len = max_queue_len
+        self.observer = observer
+        self.retry_after_s = retry_after_s
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._groups: dict[str, RequestGroup] = {}   # engine request id -> its group (loop thread only)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._dead: BaseException | None = None
+        self.last_stats: Any = None
+        self._waiting_since_stats = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self.last_stats = self._safe_stats()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop thread; requests still pending fail with EngineDeadError."""
+        self._stop.set()
+        self._commands.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._dead is not None:
+            return str(self._dead) or type(self._dead).__name__
+        if self._thread is None or not self._thread.is_alive():
+            return "engine loop is not running"
+        return None
+
+    # ------------------------------------------------------------------ handler side
+    async def add(self, subs: list[SubRequest], *, priority: int = 0,
+                  arrival_time: float | None = None) -> RequestGroup:
+        """Queue the sub-requests as one unit; returns once the engine accepted all of them.
+
+        Raises the engine's validation error (all-or-nothing), QueueFullError or EngineDeadError.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        group = RequestGroup(subs, asyncio.get_running_loop())
+        self._commands.put(_Add(group, priority, time.time() if arrival_time is None else arrival_time))
+        await group.accepted
+        return group
+
+    def abort(self, group: RequestGroup) -> None:
+        """Abort whatever of the group is still running; safe to call more than once."""
+        ids = sorted(group.unfinished)
+        group.unfinished.clear()
+        if ids and self._thread is not None:
+            self._commands.put(_Abort(ids))
+
+    # ------------------------------------------------------------------ loop thread
+    def _safe_stats(self) -> Any:
+        try:
+            return self.engine.stats()
+        except Exception:  # stats are best-effort; a broken stats() must not kill serving
+            logger.exception("engine.stats() failed")
+            return self.last_stats
+
+    def _num_waiting(self) -> int:
+        base = getattr(self.last_stats, "num_waiting", 0) or 0
+        return base + self._waiting_since_stats
+
+    def _handle_add(self, cmd: _Add) -> None:
+        group = cmd.group
+        if self.max_queue_len is not None and self._num_waiting() >= self.max_queue_len:
+            group._resolve(QueueFullError(
+                f"server overloaded: {self._num_waiting()} requests are waiting "
+                f"(--max-queue-len {self.max_queue_len}); retry later", self.retry_after_s))
+            return
+        added: list[str] = []
+        try:
+            for sub in group.subs:
+                self.engine.add_request(sub.request_id, sub.prompt, sub.params,
+                                        arrival_time=cmd.arrival_time, priority=cmd.priority)
+                added.append(sub.request_id)
+                self._groups[sub.request_id] = group
+        except Exception as exc:  # validation errors reach the handler; partial groups are undone
+            for rid in added:
+                self._groups.pop(rid, None)
+                self.engine.abort_request(rid)
+            group._resolve(exc)
+            return
+        self._waiting_since_stats += len(added)
+        group._resolve(None)
+
+    def _handle_abort(self, cmd: _Abort) -> None:
+        for rid in cmd.request_ids:
+            if self._groups.pop(rid, None) is not None:
+                self.engine.abort_request(rid)
+                if self.observer is not None:
+                    self.observer.on_abort(rid)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; blocks for the first one when idle. False once shutdown was asked."""
+        try:
+            cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+            return not self._stop.is_set()
+        while True:
+            if cmd is None or self._stop.is_set():
+                return False
+            if isinstance(cmd, _Add):
+                self._handle_add(cmd)
+            else:
+                self._handle_abort(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._drain(block=not self.engine.has_unfinished_requests()):
+                    break
+                if not self.engine.has_unfinished_requests():
+                    continue
+                outputs = self.engine.step()
+                self.steps += 1
+                now = time.time()
+                self.last_stats = self._safe_stats()
+                self._waiting_since_stats = 0
+                if self.observer is not None:
+                    try:
+                        self.observer.on_step(outputs, self.last_stats, now)
+                    except Exception:
+                        logger.exception("metrics observer failed")
+                for out in outputs:
+                    group = self._groups.get(out.request_id)
+                    if group is None:
+                        continue  # aborted while this step ran
+                    if out.finished:
+                        del self._groups[out.request_id]
+                    idx = next(s.choice_index for s in group.subs if s.request_id == out.request_id)
+                    group._post((idx, _snapshot(out)))
+            reason: BaseException = EngineDeadError("server is shutting down")
+        except BaseException as exc:  # noqa: BLE001 - the loop must report any death, then stop
+            logger.exception("engine loop died")
+            self._dead = exc
+            reason = EngineDeadError(f"engine loop died: {type(exc).__name__}")
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: BaseException) -> None:
+        groups = {id(g): g for g in self._groups.values()}
+        self._groups.clear()
+        # Requests still in the command queue never reached the engine; tell their handlers too.
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                cmd.group._resolve(reason)
+        for g in groups.values():
+            g._resolve(reason)
+            g._post((None, reason))
+        if self._dead is None:
+            self._dead = reason
+

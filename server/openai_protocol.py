@@ -1,0 +1,287 @@
+"""The OpenAI wire format: request and response models for completions and chat, and their SamplingParams.
+
+Request fields use strict pydantic types, so `"max_tokens": "16"` or `"n": true` is a 400 rather than a
+silent coercion. Unknown fields are ignored, as vLLM and OpenAI's own compatibility layers do, so clients
+that send newer OpenAI fields keep working. Ranges are checked once, by SamplingParams; the server maps its
+SamplingParamsError (which names the field) to a 400.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      model_serializer)
+
+from pagedmodel.server.sampling_params import SamplingParams, SamplingParamsError
+
+Number = Union[StrictFloat, StrictInt]
+MAX_PROMPTS_PER_REQUEST = 64   # a completions `prompt` list; each entry is its own engine request
+MAX_MESSAGES = 1024
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields both endpoints share: OpenAI's sampling knobs plus vLLM's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    n: StrictInt = 1
+    best_of: StrictInt | None = None
+    use_beam_search: StrictBool = False
+    length_penalty: Number = 1.0
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    max_tokens: StrictInt | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    priority: StrictInt = 0
+    user: StrictStr | None = None
+    logit_bias: dict[str, Number] | None = None
+
+    def _base_params(self, *, max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
+        """Build and validate SamplingParams; raises SamplingParamsError naming the bad field."""
+        if self.logit_bias:
+            raise SamplingParamsError("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise SamplingParamsError("best_of > n cannot be streamed", "best_of")
+        kwargs: dict[str, Any] = dict(
+            n=self.n, best_of=self.best_of, use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        return SamplingParams(**kwargs)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of independent prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif not p:
+            raise SamplingParamsError("prompt must not be empty", "prompt")
+        elif all(isinstance(x, int) for x in p):
+            out = [list(p)]  # type: ignore[arg-type]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        if len(out) > MAX_PROMPTS_PER_REQUEST:
+            raise SamplingParamsError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(out)}", "prompt")
+        for x in out:
+            if (isinstance(x, str) and not x) or (isinstance(x, list) and not x):
+                raise SamplingParamsError("prompt must not be empty", "prompt")
+        return out
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise SamplingParamsError("suffix is not supported", "suffix")
+        # OpenAI's completions default is 16 tokens.
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
+        return self._base_params(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextContentPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise SamplingParamsError("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise SamplingParamsError("only response_format {'type': 'text'} is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise SamplingParamsError("continue_final_message and add_generation_prompt cannot both be true",
+                                      "continue_final_message")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        # max_completion_tokens is the newer name; None means "up to the model's context".
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._base_params(max_tokens=max_tokens, logprobs=logprobs)
+
+
+# ---------------------------------------------------------------- responses
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="plain")
+    def _drop_unset(self) -> dict[str, Any]:
+        # OpenAI sends only the keys a delta changes: {"role": ...} first, then {"content": ...}, then {}.
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedmodel"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
