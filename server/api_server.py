@@ -48,7 +48,6 @@ from pagedmodel.server.sampling_params import SamplingParams, SamplingParamsErro
 logger = logging.getLogger("pagedmodel.server.api")
 
 MAX_BODY_BYTES = 32 << 20   # a 32 MiB JSON body is far beyond any context window we serve
-_SEED_MOD = 2**63
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -214,15 +213,9 @@ class OpenAIServing:
         return s
 
     # ------------------------------------------------------------------ submission
-    def build_subs(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], n_gen: int) -> list[SubRequest]:
-        """n>1 runs as independent engine requests for now; seeded requests stay reproducible per sample."""
-        subs = []
-        for p_idx, (ids, params) in enumerate(prompts):
-            for j in range(n_gen):
-                seed = None if params.seed is None else (params.seed + j) % _SEED_MOD
-                sub_params = dataclasses.replace(params, n=1, best_of=1, seed=seed)
-                subs.append(SubRequest(f"{request_id}-{p_idx}-{j}", ids, sub_params, p_idx * n_gen + j))
-        return subs
+    def build_subs(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[SubRequest]:
+        """One engine request per prompt; the engine forks its n (best_of) samples off the shared prompt."""
+        return [SubRequest(f"{request_id}-{i}", ids, params, i) for i, ids in enumerate(prompts)]
 
     async def submit(self, subs: list[SubRequest], priority: int) -> RequestGroup:
         self.check_accepting()
@@ -277,81 +270,49 @@ async def _prepare_completion(serving: OpenAIServing, req: CompletionRequest) ->
     return params, tokenized
 
 
-def _completion_logprobs(serving: OpenAIServing, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                         top_n: int, text_offset0: int,
-                         prompt: tuple[list[int], list[dict[int, float] | None]] | None = None) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    offset = text_offset0
-    entries: list[tuple[int, dict[int, float] | None]] = []
-    if prompt is not None:
-        entries.extend(zip(prompt[0], prompt[1]))
-    entries.extend(zip(token_ids, logprobs or [{} for _ in token_ids]))
-    for tok, lp in entries:
-        s = serving.token_str(tok)
-        out.tokens.append(s)
-        out.text_offset.append(offset)
-        offset += len(s)
-        if lp is None:
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            continue
-        chosen = lp.get(tok)
-        out.token_logprobs.append(None if chosen is None else _finite(chosen))
-        top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n] if top_n > 0 else []
-        out.top_logprobs.append({serving.token_str(t): _finite(v) for t, v in top})
-    return out
-
-
 def _finite(x: float) -> float:
     # JSON has no -inf; OpenAI clients expect a number. -9999 is what "impossible" looks like in practice.
     return float(x) if math.isfinite(x) else -9999.0
 
 
-def _best_of(outputs: dict[int, RequestOutput], n_prompts: int, best_of: int, n: int) -> list[list[CompletionOutput]]:
-    """Per prompt, the n samples with the highest cumulative log-probability among best_of."""
-    chosen = []
-    for p in range(n_prompts):
-        cands = [outputs[p * best_of + j].outputs[0] for j in range(best_of)]
-        if best_of > n:
-            cands.sort(key=lambda o: -(o.cumulative_logprob if o.cumulative_logprob is not None else -math.inf))
-        chosen.append(cands[:n])
-    return chosen
+def _completion_logprobs(serving: OpenAIServing, token_ids: list[int], logprobs: list[dict[int, float]] | None,
+                         top_n: int, text_offset0: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    offset = text_offset0
+    for tok, lp in zip(token_ids, logprobs or [{} for _ in token_ids]):
+        s = serving.token_str(tok)
+        out.tokens.append(s)
+        out.text_offset.append(offset)
+        offset += len(s)
+        out.token_logprobs.append(_finite(lp[tok]) if tok in lp else None)
+        top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n] if top_n > 0 else []
+        out.top_logprobs.append({serving.token_str(t): _finite(v) for t, v in top})
+    return out
 
 
 async def create_completion(serving: OpenAIServing, request: Request) -> Response:
     req = await serving.parse_body(request, CompletionRequest)
     params, tokenized = await _prepare_completion(serving, req)
     request_id = random_id("cmpl")
-    n_gen = params.best_of if not req.stream else params.n
-    need_cum = params.best_of > params.n
-    gen_params = params
-    if need_cum and params.logprobs is None:
-        gen_params = dataclasses.replace(params, logprobs=0)   # ranking needs cumulative logprobs
-    subs = serving.build_subs(request_id, [(ids, gen_params) for ids, _ in tokenized], n_gen)
-    group = await serving.submit(subs, req.priority)
+    group = await serving.submit(serving.build_subs(request_id, [ids for ids, _ in tokenized], params), req.priority)
     created = int(time.time())
-    top_n = params.logprobs or 0
-
     if req.stream:
         return StreamingResponse(_stream_completion(serving, request, req, group, request_id, created, tokenized,
                                                     params), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     final = await serving.collect(group, request)
-    chosen = _best_of(final, len(tokenized), n_gen, params.n)
+    top_n = params.logprobs or 0
     choices: list[CompletionChoice] = []
-    completion_tokens = sum(len(o.outputs[0].token_ids) for o in final.values())
-    for p_idx, outs in enumerate(chosen):
-        ids, text = tokenized[p_idx]
-        prompt_text = text if text is not None else serving._dec_tokenizer.decode(ids)
-        ro = final[p_idx * n_gen]
-        for j, o in enumerate(outs):
-            body = (prompt_text + o.text) if req.echo else o.text
+    completion_tokens = 0
+    for p_idx, (ids, text) in enumerate(tokenized):
+        prompt_text = (text if text is not None else serving._dec_tokenizer.decode(ids)) if req.echo else ""
+        for o in sorted(final[p_idx].outputs, key=lambda o: o.index):
+            completion_tokens += len(o.token_ids)
             lp = None
             if req.logprobs is not None:
-                prompt_lp = (ids, ro.prompt_logprobs or [None] * len(ids)) if req.echo else None
-                lp = _completion_logprobs(serving, o.token_ids, o.logprobs, top_n, 0, prompt_lp)
-            choices.append(CompletionChoice(index=p_idx * params.n + j, text=body, logprobs=lp,
+                lp = _completion_logprobs(serving, o.token_ids, o.logprobs, top_n, len(prompt_text))
+            choices.append(CompletionChoice(index=p_idx * params.n + o.index, text=prompt_text + o.text, logprobs=lp,
                                             finish_reason=o.finish_reason, stop_reason=o.stop_reason))
     prompt_tokens = sum(len(ids) for ids, _ in tokenized)
     usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -367,18 +328,44 @@ def _sse(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {data}\n\n"
 
 
-async def _guarded_stream(serving: OpenAIServing, group: RequestGroup, request: Request, request_id: str,
-                          body: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _guarded_stream(serving: OpenAIServing, group: RequestGroup, body: AsyncIterator[str]) -> AsyncIterator[str]:
     """Wrap a chunk generator: abort on disconnect, report engine death in-band, always end with [DONE]."""
     try:
         async for chunk in body:
             yield chunk
     except EngineDeadError as exc:
-        err = APIError(500, f"request failed: {exc}", code="engine_error")
-        yield _sse(err.body())
+        yield _sse(APIError(500, f"request failed: {exc}", code="engine_error").body())
     finally:
-        serving.async_engine.abort(group)   # a disconnect cancels us here; frees the KV blocks
+        # A client that went away cancels us at the await above; this frees its KV blocks before the next step.
+        serving.async_engine.abort(group)
     yield "data: [DONE]\n\n"
+
+
+class _DeltaTracker:
+    """What each choice has already been sent, so cumulative engine outputs become stream deltas."""
+
+    def __init__(self, n_choices: int):
+        self.text = [0] * n_choices
+        self.tokens = [0] * n_choices
+        self.done: set[int] = set()
+
+    def newly_finished(self, choice: int, o: CompletionOutput) -> bool:
+        """True once per choice: later cumulative outputs of the group repeat finished samples."""
+        if not o.finished or choice in self.done:
+            return False
+        self.done.add(choice)
+        return True
+
+    def advance(self, choice: int, o: CompletionOutput) -> tuple[str, list[int], list[dict[int, float]], int]:
+        """The new text, token ids and logprobs since the last call, and the text offset they start at."""
+        t0, k0 = self.text[choice], self.tokens[choice]
+        delta = o.text[t0:]
+        new_ids = o.token_ids[k0:]
+        new_lp = (o.logprobs or [])[k0:]
+        # The engine holds back text that may become a stop string, so text only grows; max() guards anyway.
+        self.text[choice] = max(t0, len(o.text))
+        self.tokens[choice] = len(o.token_ids)
+        return delta, new_ids, new_lp, t0
 
 
 def _stream_completion(serving: OpenAIServing, request: Request, req: CompletionRequest, group: RequestGroup,
@@ -390,43 +377,36 @@ def _stream_completion(serving: OpenAIServing, request: Request, req: Completion
     top_n = params.logprobs or 0
 
     async def body() -> AsyncIterator[str]:
-        sent_text = [0] * len(group.subs)
-        sent_tok = [0] * len(group.subs)
-        echoed = [False] * len(group.subs)
+        tracker = _DeltaTracker(len(tokenized) * n)
+        echo_len = [0] * len(tokenized)
         completion_tokens = 0
         finishes: set[str] = set()
-        usage_none = None
 
         def chunk(idx: int, text: str, lp: CompletionLogprobs | None, finish: str | None, stop: Any) -> str:
             return _sse(CompletionStreamResponse(
-                id=request_id, created=created, model=model, usage=usage_none,
+                id=request_id, created=created, model=model,
                 choices=[CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop)]))
 
-        async for idx, out in group.outputs():
-            o = out.outputs[0]
-            p_idx = idx // n
-            if req.echo and not echoed[idx]:
-                echoed[idx] = True
-                ids, text = tokenized[p_idx]
+        if req.echo:   # the prompt text opens every choice
+            for p_idx, (ids, text) in enumerate(tokenized):
                 prompt_text = text if text is not None else serving._dec_tokenizer.decode(ids)
-                lp = None
-                if req.logprobs is not None:
-                    lp = _completion_logprobs(serving, [], [], top_n, 0, (ids, out.prompt_logprobs or [None] * len(ids)))
-                yield chunk(idx, prompt_text, lp, None, None)
-            delta = o.text[sent_text[idx]:]
-            new_ids = o.token_ids[sent_tok[idx]:]
-            if delta or new_ids or o.finished:
+                echo_len[p_idx] = len(prompt_text)
+                for j in range(n):
+                    yield chunk(p_idx * n + j, prompt_text, None, None, None)
+        async for p_idx, out in group.outputs():
+            for o in out.outputs:
+                idx = p_idx * n + o.index
+                delta, new_ids, new_lp, offset = tracker.advance(idx, o)
+                finished = tracker.newly_finished(idx, o)
                 lp = None
                 if req.logprobs is not None and new_ids:
-                    new_lp = (o.logprobs or [])[sent_tok[idx]:]
-                    lp = _completion_logprobs(serving, new_ids, new_lp, top_n, sent_text[idx])
-                sent_text[idx] = max(sent_text[idx], len(o.text))
-                sent_tok[idx] = len(o.token_ids)
-                if delta or lp is not None or o.finished:
-                    yield chunk(idx, delta, lp, o.finish_reason, o.stop_reason)
-            if o.finished:
-                completion_tokens += len(o.token_ids)
-                finishes.add(o.finish_reason or "-")
+                    lp = _completion_logprobs(serving, new_ids, new_lp, top_n, echo_len[p_idx] + offset)
+                if delta or lp is not None or finished:
+                    yield chunk(idx, delta, lp, o.finish_reason if finished else None,
+                                o.stop_reason if finished else None)
+                if finished:
+                    completion_tokens += len(o.token_ids)
+                    finishes.add(o.finish_reason or "-")
         prompt_tokens = sum(len(ids) for ids, _ in tokenized)
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))
         if include_usage:
@@ -435,7 +415,7 @@ def _stream_completion(serving: OpenAIServing, request: Request, req: Completion
                 usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                 total_tokens=prompt_tokens + completion_tokens)))
 
-    return _guarded_stream(serving, group, request, request_id, body())
+    return _guarded_stream(serving, group, body())
 
 
 # ====================================================================== chat
@@ -463,28 +443,22 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
     ids, _ = await serving.render_chat(req)
     serving.check_prompt(ids, params, param="messages")
     request_id = random_id("chatcmpl")
-    n_gen = params.best_of if not req.stream else params.n
-    gen_params = params
-    if params.best_of > params.n and params.logprobs is None:
-        gen_params = dataclasses.replace(params, logprobs=0)
-    subs = serving.build_subs(request_id, [(ids, gen_params)], n_gen)
-    group = await serving.submit(subs, req.priority)
+    group = await serving.submit(serving.build_subs(request_id, [ids], params), req.priority)
     created = int(time.time())
-    top_n = req.top_logprobs or 0
-
     if req.stream:
         return StreamingResponse(_stream_chat(serving, request, req, group, request_id, created, len(ids), params),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     final = await serving.collect(group, request)
-    chosen = _best_of(final, 1, n_gen, params.n)[0]
+    top_n = req.top_logprobs or 0
     choices = []
-    for j, o in enumerate(chosen):
+    completion_tokens = 0
+    for o in sorted(final[0].outputs, key=lambda o: o.index):
+        completion_tokens += len(o.token_ids)
         lp = _chat_logprobs(serving, o.token_ids, o.logprobs, top_n) if req.logprobs else None
-        choices.append(ChatCompletionChoice(index=j, message=ChatResponseMessage(content=o.text), logprobs=lp,
+        choices.append(ChatCompletionChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lp,
                                             finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-    completion_tokens = sum(len(o.outputs[0].token_ids) for o in final.values())
     usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                       total_tokens=len(ids) + completion_tokens)
     serving.set_log_info(request, request_id, len(ids), completion_tokens,
@@ -502,32 +476,25 @@ def _stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionRe
 
     async def body() -> AsyncIterator[str]:
         def chunk(choice: ChatCompletionStreamChoice) -> str:
-            return _sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                     choices=[choice], usage=None))
+            return _sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
 
         # OpenAI opens every choice with a role-only delta before any content.
         for j in range(params.n):
             yield chunk(ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
-        sent_text = [0] * params.n
-        sent_tok = [0] * params.n
+        tracker = _DeltaTracker(params.n)
         completion_tokens = 0
         finishes: set[str] = set()
-        async for idx, out in group.outputs():
-            o = out.outputs[0]
-            delta = o.text[sent_text[idx]:]
-            new_ids = o.token_ids[sent_tok[idx]:]
-            lp = None
-            if req.logprobs and new_ids:
-                lp = _chat_logprobs(serving, new_ids, (o.logprobs or [])[sent_tok[idx]:], top_n)
-            sent_text[idx] = max(sent_text[idx], len(o.text))
-            sent_tok[idx] = len(o.token_ids)
-            if delta or lp is not None:
-                yield chunk(ChatCompletionStreamChoice(index=idx, delta=DeltaMessage(content=delta), logprobs=lp))
-            if o.finished:
-                completion_tokens += len(o.token_ids)
-                finishes.add(o.finish_reason or "-")
-                yield chunk(ChatCompletionStreamChoice(index=idx, delta=DeltaMessage(),
-                                                       finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        async for _, out in group.outputs():
+            for o in out.outputs:
+                delta, new_ids, new_lp, _ = tracker.advance(o.index, o)
+                lp = _chat_logprobs(serving, new_ids, new_lp, top_n) if req.logprobs and new_ids else None
+                if delta or lp is not None:
+                    yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(content=delta), logprobs=lp))
+                if tracker.newly_finished(o.index, o):
+                    completion_tokens += len(o.token_ids)
+                    finishes.add(o.finish_reason or "-")
+                    yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(),
+                                                           finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))
         if include_usage:
             yield _sse(ChatCompletionStreamResponse(
@@ -535,7 +502,7 @@ def _stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionRe
                 usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                 total_tokens=prompt_tokens + completion_tokens)))
 
-    return _guarded_stream(serving, group, request, request_id, body())
+    return _guarded_stream(serving, group, body())
 
 
 # ====================================================================== app

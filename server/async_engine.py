@@ -54,18 +54,18 @@ class StepObserver(Protocol):
 
 @dataclass
 class SubRequest:
-    """One engine request inside an HTTP request (a prompt x one of its n samples)."""
+    """One engine request inside an HTTP request: one prompt, with all of its n samples."""
 
     request_id: str
     prompt: str | list[int]
     params: SamplingParams
-    choice_index: int
+    prompt_index: int
 
 
 class RequestGroup:
     """The engine requests of one HTTP request, and the asyncio queue their outputs arrive on.
 
-    Items are (choice_index, RequestOutput) or (None, exception). Outputs are cumulative, so a slow
+    Items are (prompt_index, RequestOutput) or (None, exception). Outputs are cumulative, so a slow
     consumer may skip intermediate ones: it only needs the latest per choice.
     """
 
@@ -102,7 +102,7 @@ class RequestGroup:
         return not self.unfinished
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (choice_index, cumulative output) until every sub-request has finished."""
+        """Yield (prompt_index, cumulative output) until every sub-request has finished."""
         while self.unfinished:
             idx, item = await self.queue.get()
             if idx is None:
@@ -282,7 +282,7 @@ class AsyncEngine:
                         continue  # aborted while this step ran
                     if out.finished:
                         del self._groups[out.request_id]
-                    idx = next(s.choice_index for s in group.subs if s.request_id == out.request_id)
+                    idx = next(s.prompt_index for s in group.subs if s.request_id == out.request_id)
                     group._post((idx, _snapshot(out)))
             reason: BaseException = EngineDeadError("server is shutting down")
         except BaseException as exc:  # noqa: BLE001 - the loop must report any death, then stop
