@@ -1,0 +1,1 @@
+"""A Kubernetes API server stand-in speaking the real REST + watch protocol on loopback."""

@@ -1,0 +1,158 @@
+"""Defaulting and the basic validation kube-apiserver applies to the built-in kinds we serve."""
+from __future__ import annotations
+
+import base64
+import re
+from typing import Any
+
+from .errors import FieldError
+from .selectors import labels_match, selector_from_label_selector
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Kinds whose names must be DNS labels rather than subdomains.
+_LABEL_NAMED = {"namespaces", "services"}
+
+
+def validate_name(storage: str, name: str) -> list[FieldError]:
+    if storage in ("events",) or ":" in name and storage.startswith(("clusterroles", "clusterrolebindings", "roles")):
+        return []   # event names embed timestamps; RBAC names may hold ':'
+    if storage in _LABEL_NAMED:
+        if len(name) > 63 or not _DNS_LABEL.match(name):
+            return [FieldError("FieldValueInvalid", "metadata.name",
+                               f'Invalid value: "{name}": a lowercase RFC 1123 label must consist of lower case '
+                               "alphanumeric characters or '-', and must start and end with an alphanumeric "
+                               "character (e.g. 'my-name',  or '123-abc', regex used for validation is "
+                               "'[a-z0-9]([-a-z0-9]*[a-z0-9])?')")]
+        return []
+    if len(name) > 253 or not _DNS_SUBDOMAIN.match(name):
+        return [FieldError("FieldValueInvalid", "metadata.name",
+                           f'Invalid value: "{name}": a lowercase RFC 1123 subdomain must consist of lower case '
+                           "alphanumeric characters, '-' or '.', and must start and end with an alphanumeric "
+                           "character (e.g. 'example.com', regex used for validation is "
+                           "'[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")]
+    return []
+
+
+def _probe_defaults(probe: dict[str, Any] | None) -> None:
+    if probe is None:
+        return
+    probe.setdefault("timeoutSeconds", 1)
+    probe.setdefault("periodSeconds", 10)
+    probe.setdefault("successThreshold", 1)
+    probe.setdefault("failureThreshold", 3)
+    if "httpGet" in probe:
+        probe["httpGet"].setdefault("path", "/")
+        probe["httpGet"].setdefault("scheme", "HTTP")
+
+
+def default_pod_spec(spec: dict[str, Any]) -> None:
+    spec.setdefault("restartPolicy", "Always")
+    spec.setdefault("terminationGracePeriodSeconds", 30)
+    spec.setdefault("dnsPolicy", "ClusterFirst")
+    spec.setdefault("schedulerName", "default-scheduler")
+    spec.setdefault("securityContext", {})
+    for container in (spec.get("containers") or []) + (spec.get("initContainers") or []):
+        image = container.get("image", "")
+        latest = ":" not in image.rsplit("/", 1)[-1] or image.endswith(":latest")
+        container.setdefault("imagePullPolicy", "Always" if latest else "IfNotPresent")
+        container.setdefault("terminationMessagePath", "/dev/termination-log")
+        container.setdefault("terminationMessagePolicy", "File")
+        container.setdefault("resources", {})
+        for port in container.get("ports") or []:
+            port.setdefault("protocol", "TCP")
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            _probe_defaults(container.get(probe))
+
+
+def _validate_pod_spec(spec: dict[str, Any], path: str) -> list[FieldError]:
+    errors = []
+    containers = spec.get("containers")
+    if not containers:
+        errors.append(FieldError("FieldValueRequired", f"{path}.containers", "Required value"))
+    for i, c in enumerate(containers or []):
+        if not c.get("name"):
+            errors.append(FieldError("FieldValueRequired", f"{path}.containers[{i}].name", "Required value"))
+        if not c.get("image"):
+            errors.append(FieldError("FieldValueRequired", f"{path}.containers[{i}].image", "Required value"))
+    return errors
+
+
+def _validate_workload(obj: dict[str, Any]) -> list[FieldError]:
+    spec = obj.get("spec") or {}
+    errors = []
+    selector = spec.get("selector")
+    if not selector:
+        errors.append(FieldError("FieldValueRequired", "spec.selector", "Required value"))
+    template = spec.get("template") or {}
+    labels = (template.get("metadata") or {}).get("labels") or {}
+    if selector and not labels_match(selector_from_label_selector(selector), {"metadata": {"labels": labels}}):
+        errors.append(FieldError("FieldValueInvalid", "spec.template.metadata.labels",
+                                 f"Invalid value: {labels!r}: `selector` does not match template `labels`"))
+    errors += _validate_pod_spec(template.get("spec") or {}, "spec.template.spec")
+    if spec.get("replicas", 1) < 0:
+        errors.append(FieldError("FieldValueInvalid", "spec.replicas",
+                                 f"Invalid value: {spec['replicas']}: must be greater than or equal to 0"))
+    return errors
+
+
+def default_and_validate(storage: str, obj: dict[str, Any], creating: bool) -> list[FieldError]:
+    """Apply built-in defaults in place and return validation errors (empty when valid)."""
+    meta = obj["metadata"]
+    spec = obj.get("spec")
+    if storage == "namespaces":
+        obj.setdefault("spec", {}).setdefault("finalizers", ["kubernetes"])
+        obj.setdefault("status", {}).setdefault("phase", "Active")
+        meta.setdefault("labels", {})["kubernetes.io/metadata.name"] = meta["name"]
+    elif storage == "pods":
+        obj.setdefault("spec", {})
+        default_pod_spec(obj["spec"])
+        if creating:
+            obj["status"] = {"phase": "Pending", "qosClass": _qos_class(obj["spec"])}
+        return _validate_pod_spec(obj["spec"], "spec")
+    elif storage in ("deployments.apps", "replicasets.apps", "statefulsets.apps"):
+        obj.setdefault("spec", {})
+        spec = obj["spec"]
+        spec.setdefault("replicas", 1)
+        if storage == "deployments.apps":
+            strategy = spec.setdefault("strategy", {"type": "RollingUpdate"})
+            if strategy.get("type", "RollingUpdate") == "RollingUpdate":
+                strategy.setdefault("type", "RollingUpdate")
+                ru = strategy.setdefault("rollingUpdate", {})
+                ru.setdefault("maxSurge", "25%")
+                ru.setdefault("maxUnavailable", "25%")
+            spec.setdefault("revisionHistoryLimit", 10)
+            spec.setdefault("progressDeadlineSeconds", 600)
+        template = spec.setdefault("template", {})
+        default_pod_spec(template.setdefault("spec", {}))
+        return _validate_workload(obj)
+    elif storage == "services":
+        obj.setdefault("spec", {})
+        svc = obj["spec"]
+        svc.setdefault("type", "ClusterIP")
+        svc.setdefault("sessionAffinity", "None")
+        for port in svc.get("ports") or []:
+            port.setdefault("protocol", "TCP")
+            port.setdefault("targetPort", port.get("port"))
+        if not svc.get("ports") and svc.get("clusterIP") != "None" and svc.get("type") != "ExternalName":
+            return [FieldError("FieldValueRequired", "spec.ports", "Required value")]
+    elif storage == "secrets":
+        obj.setdefault("type", "Opaque")
+        string_data = obj.pop("stringData", None) or {}
+        data = obj.setdefault("data", {})
+        for k, v in string_data.items():
+            data[k] = base64.b64encode(str(v).encode()).decode()
+    elif storage == "serviceaccounts" or storage == "configmaps":
+        pass
+    del spec
+    return []
+
+
+def _qos_class(spec: dict[str, Any]) -> str:
+    resources = [c.get("resources") or {} for c in spec.get("containers") or []]
+    if not any(r.get("requests") or r.get("limits") for r in resources):
+        return "BestEffort"
+    if all(r.get("limits") and (not r.get("requests") or r["requests"] == r["limits"])
+           and {"cpu", "memory"} <= set(r["limits"]) for r in resources):
+        return "Guaranteed"
+    return "Burstable"
