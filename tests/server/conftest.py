@@ -1,0 +1,152 @@
+"""Live `pagedmodel serve` processes on 127.0.0.1 for the HTTP API tests, and helpers to read /metrics.
+
+Servers run as real subprocesses (the CLI, uvicorn, signals and all) on a tiny random Llama that uses
+the SmolLM2 tokenizer and chat template, so tokenization and templates are real while a step costs ms.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "test-key-123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_tiny_model(path: Path) -> Path:
+    """A 2-layer random Llama with SmolLM2's real tokenizer (vocab 49152, chat template, eos id 2)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pagedmodel.server.model_store import prepare_model
+
+    tok = AutoTokenizer.from_pretrained(str(prepare_model()))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared tiny Llama (tests/conftest.py) when it exists, else our own equivalent."""
+    try:
+        return Path(request.getfixturevalue("tiny_llama_dir"))
+    except pytest.FixtureLookupError:
+        return _make_tiny_model(tmp_path_factory.mktemp("server_tiny_llama"))
+
+
+class ServerProcess:
+    """`pagedmodel serve` in a subprocess; logs go to a file the tests can read."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None):
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        args = [sys.executable, "-m", "pagedmodel.server.cli", "serve", "--model", str(model_dir),
+                "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        if api_key:
+            args += ["--api-key", api_key]
+        self._log = open(log_path, "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.base_url + "/metrics", timeout=10).text)
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value}, plus label-free sums under the bare name."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        out[key] = float(value)
+        bare = key.split("{", 1)[0]
+        if "{" in key and "le=" not in key:
+            out[bare] = out.get(bare, 0.0) + float(value)
+    return out
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def api_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The general-purpose server: API key required, request logging on."""
+    log = tmp_path_factory.mktemp("api_server") / "server.log"
+    srv = ServerProcess(server_model_dir, log, "--max-model-len", "256", "--kv-cache-memory", str(8 << 20),
+                        "--log-requests", "--served-model-name", "tiny-smol", api_key=API_KEY)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+@pytest.fixture()
+def client(api_server: ServerProcess):
+    import openai
+    with openai.OpenAI(base_url=api_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
