@@ -273,8 +273,9 @@ def paged_attention(
     group = q_heads // kv_heads
     group_pad = next_pow2(group)
     on_cuda = query.device.type == "cuda"
-    # tl.dot needs >= 16 rows on GPUs; decode tiles hold one token, so pad its head group.
-    min_rows = 16 if on_cuda else 1
+    # tl.dot needs every extent >= 16 on GPUs: decode tiles hold one token, so their head group
+    # is padded to 16 rows, and tiny head dims are padded to 16.
+    min_dot = 16 if on_cuda else 1
     if block_m is None:
         block_m = 16 if meta.max_query_len <= 1 else 64
     if block_m < 1 or block_m & (block_m - 1):
@@ -282,10 +283,10 @@ def paged_attention(
     block_q = max(1, block_m // group_pad)
     if meta.max_query_len <= 1:
         block_q = 1
-    group_pad = max(group_pad, min_rows // block_q, 1)
+    group_pad = max(group_pad, min_dot // block_q, 1)
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
-    if block_n < (16 if on_cuda else 1) or block_n & (block_n - 1):
+    if block_n < min_dot or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two (>= 16 on GPUs), got {block_n}")
     num_tiles = num_tokens // block_q + meta.num_seqs
     if num_splits is None:
@@ -303,7 +304,7 @@ def paged_attention(
     else:  # never touched: the kernel writes straight to `out`
         part_out = part_lse = out
     block_tables = meta.block_tables if meta.block_tables.stride(1) == 1 else meta.block_tables.contiguous()
-    head_dim_pad = next_pow2(head_dim)
+    head_dim_pad = max(next_pow2(head_dim), min_dot)
     _paged_attention_kernel[(num_tiles, kv_heads, num_splits)](
         out, part_out, part_lse,
         query, kv_cache, block_tables, meta.seq_lens, meta.query_start_loc,
