@@ -139,7 +139,7 @@ class LocalCluster:
 
         kubelet = Kubelet(self.api, node_name=self.node_name, capacity=self.node_capacity,
                           pod_network=self.pod_network, workdir=self.workdir / "pods",
-                          restart_backoff_s=self.restart_backoff_s)
+                          restart_backoff_s=self.restart_backoff_s, api_url=self.url)
         self.server.log_locator = kubelet.log_path
         manager = ControllerManager(self.api, node_name=self.node_name)
         for component in (manager, kubelet):

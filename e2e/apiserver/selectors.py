@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from .errors import bad_request
 
-_KEY = r"[A-Za-z0-9]([-A-Za-z0-9_./]*[A-Za-z0-9])?"
+_KEY = r"[A-Za-z0-9](?:[-A-Za-z0-9_./]*[A-Za-z0-9])?"
 
 
 @dataclass(frozen=True)

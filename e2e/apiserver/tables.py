@@ -166,6 +166,11 @@ BUILTIN_COLUMNS: dict[str, list[Column]] = {
     "events": [("Last Seen", "string", 0, _event_last_seen), ("Type", "string", 0, lambda o: o.get("type", "")),
                ("Reason", "string", 0, lambda o: o.get("reason", "")), ("Object", "string", 0, _event_object),
                ("Message", "string", 0, lambda o: o.get("message") or o.get("note") or "")],
+    "endpointslices.discovery.k8s.io": [
+        _NAME, ("AddressType", "string", 0, lambda o: o.get("addressType", "")),
+        ("Ports", "string", 0, lambda o: ",".join(str(p.get("port")) for p in o.get("ports") or []) or "<unset>"),
+        ("Endpoints", "string", 0, lambda o: ",".join(a for e in o.get("endpoints") or []
+                                                      for a in e.get("addresses") or []) or "<unset>"), _AGE],
     "customresourcedefinitions.apiextensions.k8s.io": [
         _NAME, ("Created At", "date", 0, lambda o: o["metadata"].get("creationTimestamp"))],
 }

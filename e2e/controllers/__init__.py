@@ -1,0 +1,1 @@
+"""The local controller-manager: scheduler, workload, endpoints, namespace and garbage-collection loops."""

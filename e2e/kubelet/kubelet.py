@@ -1,0 +1,257 @@
+"""The local kubelet: pods bound to our node become process groups on their own 127.x.y.z address."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from ..apiserver.api import Api, now_iso
+from ..apiserver.errors import ApiError
+from ..apiserver.store import WatchEvent
+from . import environment, process
+from .container import ContainerWorker
+from .node import node_object
+
+log = logging.getLogger("e2e.kubelet")
+COMPONENT = "kubelet"
+SHUTDOWN_GRACE_S = 2.0
+
+
+class PodRuntime:
+    """The containers of one pod and the pod-level status derived from them."""
+
+    def __init__(self, kubelet: "Kubelet", pod: dict[str, Any], ip: str) -> None:
+        self.kubelet = kubelet
+        meta = pod["metadata"]
+        self.namespace, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
+        self.ip = ip
+        self.start_time = now_iso()
+        self.dir = kubelet.workdir / f"{self.namespace}_{self.name}_{self.uid}"
+        self.terminating = False
+        self.finished = False
+        self._transitions: dict[str, tuple[str, str]] = {}
+        self.workers: dict[str, ContainerWorker] = {}
+        restart_policy = pod["spec"].get("restartPolicy", "Always")
+        grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        self.tasks: list[asyncio.Task[None]] = []
+        for spec in pod["spec"].get("containers") or []:
+            spec = dict(spec, _grace=grace)
+            worker = ContainerWorker(
+                spec, pod_ip=ip, cwd=str(self.dir), log_dir=self.dir / spec["name"], restart_policy=restart_policy,
+                backoff_base_s=kubelet.restart_backoff_s, prepare=self._preparer(spec), notify=kubelet.wake,
+                emit=self._emitter(spec["name"]))
+            self.workers[spec["name"]] = worker
+
+    def start(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for worker in self.workers.values():
+            self.tasks.append(asyncio.create_task(worker.run(), name=f"{self.name}/{worker.name}"))
+
+    def _current(self) -> dict[str, Any]:
+        pod = self.kubelet.api.store.get("pods", self.namespace, self.name)
+        if pod is None or pod["metadata"]["uid"] != self.uid:
+            raise ValueError("CreateContainerError: pod no longer exists")
+        return pod
+
+    def _preparer(self, spec: dict[str, Any]) -> Any:
+        def prepare() -> tuple[list[str], dict[str, str]]:
+            pod = self._current()
+            pod.setdefault("status", {})["podIP"] = self.ip
+            pod["status"]["hostIP"] = self.kubelet.node_ip
+            return environment.build(self.kubelet.api, pod, spec, self.kubelet.api_host, self.kubelet.api_port)
+        return prepare
+
+    def _emitter(self, container: str) -> Any:
+        def emit(etype: str, reason: str, message: str) -> None:
+            pod = self.kubelet.api.store.get("pods", self.namespace, self.name)
+            if pod is not None and pod["metadata"]["uid"] == self.uid:
+                pod["apiVersion"], pod["kind"] = "v1", "Pod"
+                self.kubelet.api.record_event(pod, etype, reason, message, COMPONENT)
+        return emit
+
+    def _transition(self, ctype: str, status: str) -> dict[str, Any]:
+        prev = self._transitions.get(ctype)
+        if prev is None or prev[0] != status:
+            self._transitions[ctype] = (status, now_iso())
+        return {"type": ctype, "status": status, "lastProbeTime": None,
+                "lastTransitionTime": self._transitions[ctype][1]}
+
+    def status(self, stored: dict[str, Any]) -> dict[str, Any]:
+        workers = list(self.workers.values())
+        statuses = [w.status() for w in workers]
+        all_ready = bool(workers) and all(w.ready for w in workers) and not self.terminating
+        policy = stored["spec"].get("restartPolicy", "Always")
+        done = [w for w in workers if w.terminated]
+        if workers and len(done) == len(workers) and (policy != "Always" or self.terminating):
+            failed = any(w.state["terminated"]["exitCode"] != 0 for w in done)
+            phase = "Failed" if failed else "Succeeded"
+        elif any("running" in w.state or w.restart_count > 0 or "terminated" in w.state for w in workers):
+            phase = "Running"
+        else:
+            phase = "Pending"
+        old = stored.get("status") or {}
+        scheduled = next((c for c in old.get("conditions") or [] if c.get("type") == "PodScheduled"),
+                         {"type": "PodScheduled", "status": "True", "lastProbeTime": None,
+                          "lastTransitionTime": self.start_time})
+        conditions = [
+            self._transition("PodReadyToStartContainers", "True"),
+            self._transition("Initialized", "True"),
+            self._transition("Ready", "True" if all_ready else "False"),
+            self._transition("ContainersReady", "True" if all_ready else "False"),
+            scheduled,
+        ]
+        for c in conditions[2:4]:
+            if c["status"] == "False":
+                unready = [w.name for w in workers if not w.ready]
+                c["reason"] = "ContainersNotReady"
+                c["message"] = f"containers with unready status: [{' '.join(unready)}]"
+        status = {"phase": phase, "conditions": conditions, "hostIP": self.kubelet.node_ip,
+                  "hostIPs": [{"ip": self.kubelet.node_ip}], "podIP": self.ip, "podIPs": [{"ip": self.ip}],
+                  "startTime": self.start_time, "containerStatuses": statuses,
+                  "qosClass": old.get("qosClass", "BestEffort")}
+        return status
+
+    async def stop(self, grace: float) -> None:
+        self.terminating = True
+        await asyncio.gather(*(w.stop(grace) for w in self.workers.values()), return_exceptions=True)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+class Kubelet:
+    def __init__(self, api: Api, *, node_name: str, capacity: dict[str, str], pod_network: str, workdir: Path,
+                 restart_backoff_s: float = 1.0, api_url: str = "") -> None:
+        self.api = api
+        self.node_name = node_name
+        self.capacity = capacity
+        self.pod_network = pod_network
+        self.node_ip = f"{pod_network}.1"
+        self.workdir = Path(workdir)
+        self.restart_backoff_s = restart_backoff_s
+        parsed = urlparse(api_url or "http://127.0.0.1:0")
+        self.api_host, self.api_port = parsed.hostname or "127.0.0.1", parsed.port or 0
+        self.pods: dict[str, PodRuntime] = {}
+        self._free_ips = [f"{pod_network}.{i}" for i in range(2, 255)]
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping: dict[str, asyncio.Task[None]] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        nodes = self.api.builtin("nodes")
+        body = node_object(self.node_name, self.capacity, self.node_ip)
+        if self.api.store.peek("nodes", "", self.node_name) is None:
+            self.api.create(nodes, None, body)
+        self.api.store.add_listener(self._on_write)
+        self._task = asyncio.create_task(self._loop(), name="kubelet")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(rt.stop(SHUTDOWN_GRACE_S) for rt in self.pods.values()), return_exceptions=True)
+        await asyncio.gather(*self._stopping.values(), return_exceptions=True)
+        process.kill_all(grace_s=0.5)
+        self.pods.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _on_write(self, event: WatchEvent) -> None:
+        if event.storage in ("pods", "configmaps", "secrets"):
+            self._wake.set()
+
+    def log_path(self, namespace: str, name: str, container: str, previous: bool) -> str | None:
+        for rt in self.pods.values():
+            if rt.namespace == namespace and rt.name == name and container in rt.workers:
+                path = rt.workers[container].log_path(previous)
+                return str(path) if path is not None else None
+        return None
+
+    # --- sync --------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(0.02)
+            self._wake.clear()
+            try:
+                self.sync()
+            except Exception:
+                log.exception("kubelet sync failed")
+
+    def sync(self) -> None:
+        api = self.api
+        pods_rt = api.builtin("pods")
+        mine = {p["metadata"]["uid"]: p for p in api.store.list("pods")
+                if p.get("spec", {}).get("nodeName") == self.node_name}
+        for uid, pod in mine.items():
+            meta = pod["metadata"]
+            runtime = self.pods.get(uid)
+            if meta.get("deletionTimestamp"):
+                if runtime is None:
+                    self._finalize(pod)
+                elif uid not in self._stopping:
+                    grace = float(meta.get("deletionGracePeriodSeconds") or 0)
+                    self._stopping[uid] = asyncio.create_task(self._terminate(runtime, grace))
+                continue
+            if runtime is None:
+                if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                    continue
+                if not self._free_ips:
+                    continue
+                runtime = PodRuntime(self, pod, self._free_ips.pop(0))
+                self.pods[uid] = runtime
+                runtime.start()
+        for uid in list(self.pods):
+            if uid not in mine and uid not in self._stopping:   # force-deleted or removed with its namespace
+                self._stopping[uid] = asyncio.create_task(self._terminate(self.pods[uid], 0.0, removed=True))
+        for uid, runtime in self.pods.items():
+            pod = mine.get(uid)
+            if pod is None:
+                continue
+            status = runtime.status(pod)
+            if pod.get("status") != status:
+                body = api.served(pods_rt, pod)
+                body["status"] = status
+                try:
+                    api.update(pods_rt, runtime.namespace, runtime.name, body, subresource="status")
+                except ApiError:
+                    pass
+
+    def _finalize(self, pod: dict[str, Any]) -> None:
+        try:
+            self.api.delete(self.api.builtin("pods"), pod["metadata"]["namespace"], pod["metadata"]["name"],
+                            {"gracePeriodSeconds": 0, "preconditions": {"uid": pod["metadata"]["uid"]}})
+        except ApiError:
+            pass
+
+    async def _terminate(self, runtime: PodRuntime, grace: float, removed: bool = False) -> None:
+        try:
+            await runtime.stop(grace)
+            if not removed:
+                pod = self.api.store.get("pods", runtime.namespace, runtime.name)
+                if pod is not None and pod["metadata"]["uid"] == runtime.uid:
+                    self.sync_one_status(runtime, pod)
+                    self._finalize(pod)
+        finally:
+            self.pods.pop(runtime.uid, None)
+            self._stopping.pop(runtime.uid, None)
+            self._free_ips.append(runtime.ip)
+
+    def sync_one_status(self, runtime: PodRuntime, pod: dict[str, Any]) -> None:
+        pods_rt = self.api.builtin("pods")
+        body = self.api.served(pods_rt, pod)
+        body["status"] = runtime.status(pod)
+        try:
+            self.api.update(pods_rt, runtime.namespace, runtime.name, body, subresource="status")
+        except ApiError:
+            pass
