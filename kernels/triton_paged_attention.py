@@ -124,15 +124,15 @@ def _paged_attention_kernel(
         pos_ok = pos < kv_hi
         block = tl.load(block_table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         token = block * stride_c_blk + (pos % BLOCK_SIZE) * stride_c_off
-        kv_mask_t = pos_ok[None, :] & dim_ok[:, None]
-        k = tl.load(k_base_ptr + token[None, :] + dims[:, None], mask=kv_mask_t, other=0.0)  # [D, N]
-        v = tl.load(v_base_ptr + token[:, None] + dims[None, :],
-                    mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)  # [N, D]
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        # token-major [N, D] tiles: each token's head_dim run is contiguous in the cache
+        k = tl.load(k_base_ptr + token[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base_ptr + token[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos_ok[None, :] & (pos[None, :] <= row_limit[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
