@@ -110,9 +110,9 @@ class LocalCluster:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        runner = web.AppRunner(self.server.app, handle_signals=False, access_log=None)
+        runner = web.AppRunner(self.server.app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, shutdown_timeout=1.0)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]   # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{port}"

@@ -33,6 +33,11 @@ def from_core(core: dict[str, Any]) -> dict[str, Any]:
         if old in core:
             event[new] = core[old]
     for name in _SHARED:
-        if name in core:
+        if core.get(name) is not None:
             event[name] = core[name]
+    if not event.get("eventTime"):
+        # eventTime is required in events.k8s.io/v1; legacy events only carry second-precision stamps.
+        stamp = core.get("firstTimestamp") or core.get("metadata", {}).get("creationTimestamp")
+        if stamp:
+            event["eventTime"] = stamp.replace("Z", ".000000Z") if "." not in stamp else stamp
     return event

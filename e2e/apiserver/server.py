@@ -10,7 +10,7 @@ from typing import Any, Callable
 import yaml
 from aiohttp import web
 
-from . import discovery, tables
+from . import discovery, protobuf, tables
 from .api import Api, WriteOptions
 from .errors import ApiError, bad_request, method_not_allowed
 from .resources import ResourceType
@@ -125,9 +125,12 @@ class ApiServer:
         if not raw:
             return None
         ctype = request.content_type
-        if ctype == "application/vnd.kubernetes.protobuf":
-            raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
-                           "accepted media types include: application/json, application/yaml")
+        if ctype == protobuf.MEDIA_TYPE:
+            try:
+                return protobuf.decode(raw)
+            except protobuf.ProtobufError as exc:
+                raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
+                               f"accepted media types include: application/json, application/yaml ({exc})") from None
         try:
             if ctype == "application/apply-patch+yaml" or ctype.endswith("yaml"):
                 return yaml.safe_load(raw)

