@@ -162,6 +162,11 @@ class OpenAIServing:
         if isinstance(prompt, list):
             return list(prompt), None
         try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            # JSON allows "\ud800" escapes, but an unpaired surrogate is not text and cannot be tokenized.
+            raise APIError(400, "prompt contains an unpaired UTF-16 surrogate (invalid Unicode)", param="prompt") from None
+        try:
             ids = await self._in_tokenizer_thread(lambda: list(self._enc_tokenizer(prompt).input_ids))
         except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
             raise APIError(400, f"prompt could not be tokenized: {type(exc).__name__}", param="prompt") from None

@@ -75,12 +75,14 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One readable sentence for a pydantic error list, and the param of its first error."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # A union field reports one error per member type; the deepest one names the member that matched
+    # the shape (for `"stop": [1]` that is `stop.0`, not "stop should be a string").
+    first = max(errors, key=lambda e: len(_loc_to_param(e.get("loc", ())) or ""))
     param = _loc_to_param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
     text = f"{param}: {msg}" if param else msg
-    # A union field reports one error per member type; count fields, not members.
-    others = {_loc_to_param(e.get("loc", ())) for e in errors[1:]} - {param}
+    others = {p for p in (_loc_to_param(e.get("loc", ())) for e in errors)
+              if p and p != param and not (param or "").startswith(p + ".")}
     if others:
         text += f" (and {len(others)} more invalid field{'s' if len(others) > 1 else ''}: {', '.join(sorted(map(str, others)))})"
     return text, param

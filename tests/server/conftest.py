@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -150,3 +151,37 @@ def client(api_server: ServerProcess):
     import openai
     with openai.OpenAI(base_url=api_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
         yield c
+
+
+class InProcessServer:
+    """build_app + uvicorn on a thread, around an LLMEngine the test can reach into (e.g. to break it)."""
+
+    def __init__(self, model_dir: Path, **engine_overrides: Any):
+        from pagedmodel.server.config import EngineArgs
+        from pagedmodel.server.engine import LLMEngine
+
+        kw = dict(model=str(model_dir), device="cpu", max_model_len=128, kv_cache_memory=4 << 20)
+        kw.update(engine_overrides)
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "InProcessServer":
+        import threading
+
+        import uvicorn
+
+        from pagedmodel.server.api_server import ServerConfig, build_app
+
+        self.app = build_app(self.engine, ServerConfig(served_model_name=self.engine.model_name))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        if not wait_until(lambda: self.server.started, timeout=30):
+            raise TimeoutError("in-process server did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "in-process server did not stop"
