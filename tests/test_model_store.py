@@ -532,3 +532,64 @@ def test_smollm2_greedy_says_paris(smollm2_dir: Path) -> None:
         out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     text = tok.decode(out[0, inputs["input_ids"].shape[1]:])
     assert text.startswith(" Paris."), text
+
+
+# ------------------------------------------------------------------------------------------------
+# tests/tiny_models.py, the random test models other suites build on (they borrow SmolLM2's tokenizer)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("arch", "cls", "tied"), [("llama", "LlamaForCausalLM", True), ("mistral", "MistralForCausalLM", False), ("qwen2", "Qwen2ForCausalLM", False)])
+def test_tiny_models_are_deterministic_and_load_in_transformers(arch: str, cls: str, tied: bool, smollm2_dir: Path, tmp_path: Path) -> None:
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tiny_models import make_tiny_model_dir
+
+    a = make_tiny_model_dir(tmp_path / "a", arch, tokenizer_dir=smollm2_dir)
+    b = make_tiny_model_dir(tmp_path / "b", arch, tokenizer_dir=smollm2_dir)
+    c = make_tiny_model_dir(tmp_path / "c", arch, tokenizer_dir=smollm2_dir, seed=1)
+    weights = [(d / "model.safetensors").read_bytes() for d in (a, b, c)]
+    assert weights[0] == weights[1] != weights[2]
+    assert validate_model_dir(a) == a
+
+    model = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    config = model.config
+    assert config.architectures == [cls] and config.tie_word_embeddings is tied
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (2, 64, 4, 2, 16)
+    assert config.vocab_size == 49152 and config.max_position_embeddings == 1024 and config.eos_token_id == 2
+    with safe_open(str(a / "model.safetensors"), framework="pt") as f:
+        assert ("lm_head.weight" in f.keys()) is not tied
+        biases = [k for k in f.keys() if k.endswith(".bias")]
+        if arch == "qwen2":  # q/k/v biases, drawn non-zero so a loader that drops them is caught
+            assert len(biases) == 2 * 3 and all(f.get_tensor(k).abs().min() > 0 for k in biases)
+        else:
+            assert biases == []
+
+    tok = AutoTokenizer.from_pretrained(a)
+    ids = tok("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**ids).logits[0, -1]
+    top2 = logits.topk(2).values
+    assert logits.std() > 2 and top2[0] - top2[1] > 1e-2  # separated: greedy is robust to kernel noise
+
+
+@pytest.mark.model
+def test_tiny_model_config_overrides(smollm2_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from tiny_models import make_tiny_model_dir
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    d = make_tiny_model_dir(tmp_path / "rope", "llama", tokenizer_dir=smollm2_dir, rope_scaling=scaling, rope_theta=500000.0, num_hidden_layers=3)
+    raw = json.loads((d / "config.json").read_text())
+    assert raw["rope_scaling"] == scaling and raw["rope_theta"] == 500000.0  # classic keys, as hub checkpoints have
+    config = AutoConfig.from_pretrained(d)
+    assert config.rope_parameters == {**scaling, "rope_theta": 500000.0} and config.num_hidden_layers == 3
+    assert json.loads((d / "tokenizer_config.json").read_text())["model_max_length"] == 1024
+
+    with pytest.raises(ValueError, match="vocab_size 1000 is smaller than the tokenizer's 49152 tokens"):
+        make_tiny_model_dir(tmp_path / "small", "llama", tokenizer_dir=smollm2_dir, vocab_size=1000)
+    with pytest.raises(ValueError, match="arch must be one of"):
+        make_tiny_model_dir(tmp_path / "gpt", "gpt2", tokenizer_dir=smollm2_dir)

@@ -11,6 +11,7 @@ loader that drops them produces different outputs.
 """
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -74,7 +75,8 @@ def make_tiny_model_dir(
         tokenizer_dir = resolve_model(None)
     tokenizer_dir = Path(tokenizer_dir)
 
-    values = {**BASE_CONFIG, **ARCH_CONFIG[arch], **config_overrides}
+    # deep copy: transformers writes into dicts it is given (rope_scaling gains rope_theta)
+    values = copy.deepcopy({**BASE_CONFIG, **ARCH_CONFIG[arch], **config_overrides})
     tokenizer_size = _tokenizer_size(tokenizer_dir / "tokenizer.json")
     if values["vocab_size"] < tokenizer_size:
         raise ValueError(f"vocab_size {values['vocab_size']} is smaller than the tokenizer's {tokenizer_size} tokens")
