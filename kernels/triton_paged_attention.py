@@ -22,6 +22,7 @@ Softmax is online, in fp32, in base 2 (``exp2`` with the scale folded into ``log
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -247,6 +248,48 @@ def choose_num_splits(num_tiles: int, kv_heads: int, max_query_len: int, max_seq
     return splits
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Tile shapes and grid of one ``paged_attention`` call (exposed for benchmarks and tests)."""
+    block_q: int      # query tokens per tile
+    group_pad: int    # rows per token: the GQA group padded to a power of two (>= 16 rows per tile on GPUs)
+    block_n: int      # KV tokens per inner-loop step
+    head_dim_pad: int
+    num_tiles: int    # grid axis 0: T // block_q + B
+    num_splits: int   # grid axis 2: KV splits merged by log-sum-exp (1 = write the output directly)
+
+
+def plan_launch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, *,
+                block_m: int | None = None, block_n: int | None = None,
+                num_splits: int | None = None) -> LaunchPlan:
+    """Heuristic tile shapes, overridable: ``block_m`` (rows per tile = query tokens x grouped
+    heads), ``block_n`` (KV tokens per step), ``num_splits`` (KV splits); powers of two."""
+    num_tokens, q_heads, head_dim = query.shape
+    kv_heads = kv_cache.shape[3]
+    group_pad = next_pow2(q_heads // kv_heads)
+    # tl.dot needs every extent >= 16 on GPUs: decode tiles hold one token, so their head group
+    # is padded to 16 rows, and tiny head dims are padded to 16.
+    min_dot = 16 if query.device.type == "cuda" else 1
+    decode_only = meta.max_query_len <= 1
+    if block_m is None:
+        block_m = 16 if decode_only else 64
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    block_q = 1 if decode_only else max(1, block_m // group_pad)
+    group_pad = max(group_pad, min_dot // block_q)
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if block_n < min_dot or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two (>= 16 on GPUs), got {block_n}")
+    num_tiles = num_tokens // block_q + meta.num_seqs
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles, kv_heads, meta.max_query_len, meta.max_seq_len, query.device)
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    return LaunchPlan(block_q=block_q, group_pad=group_pad, block_n=block_n,
+                      head_dim_pad=max(next_pow2(head_dim), min_dot), num_tiles=num_tiles, num_splits=num_splits)
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -259,9 +302,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for a mixed batch (see ``AttentionMetadata``); returns ``[T, q_heads, head_dim]``.
 
-    ``block_m`` (rows per tile, query tokens x grouped heads), ``block_n`` (KV tokens per loop
-    step) and ``num_splits`` (KV splits, a power of two) override the heuristics; tests use
-    them to reach every code path with tiny shapes.
+    The keyword-only tile overrides (see ``plan_launch``) let tests reach every code path with
+    tiny shapes; the engine never passes them.
     """
     check_inputs(query, kv_cache, meta)
     require_launchable(query.device)
@@ -270,42 +312,19 @@ def paged_attention(
     out = torch.empty((num_tokens, q_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
-    group = q_heads // kv_heads
-    group_pad = next_pow2(group)
-    on_cuda = query.device.type == "cuda"
-    # tl.dot needs every extent >= 16 on GPUs: decode tiles hold one token, so their head group
-    # is padded to 16 rows, and tiny head dims are padded to 16.
-    min_dot = 16 if on_cuda else 1
-    if block_m is None:
-        block_m = 16 if meta.max_query_len <= 1 else 64
-    if block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two, got {block_m}")
-    block_q = max(1, block_m // group_pad)
-    if meta.max_query_len <= 1:
-        block_q = 1
-    group_pad = max(group_pad, min_dot // block_q, 1)
-    if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
-    if block_n < min_dot or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two (>= 16 on GPUs), got {block_n}")
-    num_tiles = num_tokens // block_q + meta.num_seqs
-    if num_splits is None:
-        num_splits = choose_num_splits(num_tiles, kv_heads, meta.max_query_len, meta.max_seq_len,
-                                       query.device)
-    if num_splits < 1 or num_splits & (num_splits - 1):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-
+    plan = plan_launch(query, kv_cache, meta, block_m=block_m, block_n=block_n, num_splits=num_splits)
+    splits = plan.num_splits
     upcast = interpreting() and query.dtype == torch.bfloat16  # numpy has no bf16 arithmetic
     precision = "ieee" if query.dtype == torch.float32 else "tf32"  # fp32 stays exact, no TF32
-    if num_splits > 1:
-        part_out = torch.empty((num_splits, num_tokens, q_heads, head_dim), dtype=torch.float32,
-                               device=query.device)
-        part_lse = torch.empty((num_splits, num_tokens, q_heads), dtype=torch.float32, device=query.device)
+    if splits > 1:
+        part_out = torch.empty((splits, num_tokens, q_heads, head_dim), dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((splits, num_tokens, q_heads), dtype=torch.float32, device=query.device)
+        po_strides, pl_strides = part_out.stride()[:3], part_lse.stride()[:2]
     else:  # never touched: the kernel writes straight to `out`
         part_out = part_lse = out
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
     block_tables = meta.block_tables if meta.block_tables.stride(1) == 1 else meta.block_tables.contiguous()
-    head_dim_pad = max(next_pow2(head_dim), min_dot)
-    _paged_attention_kernel[(num_tiles, kv_heads, num_splits)](
+    _paged_attention_kernel[(plan.num_tiles, kv_heads, splits)](
         out, part_out, part_lse,
         query, kv_cache, block_tables, meta.seq_lens, meta.query_start_loc,
         float(scale) * _LOG2E, meta.num_seqs,
@@ -313,32 +332,19 @@ def paged_attention(
         out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
-        part_out.stride(0) if num_splits > 1 else 0, part_out.stride(1) if num_splits > 1 else 0,
-        part_out.stride(2) if num_splits > 1 else 0,
-        part_lse.stride(0) if num_splits > 1 else 0, part_lse.stride(1) if num_splits > 1 else 0,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, UPCAST=upcast, DOT_PRECISION=precision,
+        *po_strides, *pl_strides,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=plan.head_dim_pad,
+        GROUP=q_heads // kv_heads, GROUP_PAD=plan.group_pad, BLOCK_Q=plan.block_q, BLOCK_N=plan.block_n,
+        NUM_SPLITS=splits, UPCAST=upcast, DOT_PRECISION=precision,
     )
-    if num_splits > 1:
+    if splits > 1:
         _merge_splits_kernel[(num_tokens, q_heads)](
             out, part_out, part_lse,
             out.stride(0), out.stride(1),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            *po_strides, *pl_strides,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=plan.head_dim_pad, NUM_SPLITS=splits,
         )
     return out
 
 
-def decode_bytes_moved(kv_cache: torch.Tensor, meta: AttentionMetadata, q_heads: int) -> int:
-    """Minimum HBM traffic of one decode step: every context token's K and V once, plus q and out.
-    The denominator for achieved-bandwidth figures."""
-    _, _, _, kv_heads, head_dim = kv_cache.shape
-    elem = kv_cache.element_size()
-    kv = 2 * sum(meta.seq_lens_cpu) * kv_heads * head_dim * elem
-    return kv + 2 * sum(meta.query_lens_cpu) * q_heads * head_dim * elem
-
-
-__all__ = ["paged_attention", "check_inputs", "choose_num_splits", "decode_bytes_moved",
-           "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["paged_attention", "plan_launch", "LaunchPlan", "check_inputs", "choose_num_splits", "SUPPORTED_DTYPES", "MAX_HEAD_DIM"]

@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""One GPU run (< 10 minutes) for the Triton attention backend: correctness, bandwidth, end to end.
+
+    python benchmarks/gpu_kernels.py [--out gpu_kernels.json] [--model DIR]
+    python benchmarks/gpu_kernels.py --dry-run --model TINY_DIR   # CPU, Triton interpreter, tiny shapes
+
+Sections:
+  1. correctness: every Triton kernel against the pure-torch path on the device (mixed
+     prefill/chunk/decode batches, GQA, head dims 64/96/128, block sizes 1..128, split-KV, all dtypes);
+  2. decode bandwidth: batch {1, 32, 256} x context {512, 4096}, two head layouts (SmolLM2-135M's
+     9q/3kv x 64 and an 8B-class 32q/8kv x 128), bf16, 16-token blocks shuffled over the cache:
+     achieved GB/s = minimum bytes a decode step must read (all K/V of every context, plus q and
+     the output) / median kernel time, and its share of the device peak (4.8 TB/s on an H200);
+  3. end to end: engine tokens/s (``pagedmodel.server.llm.LLM``) on SmolLM2-135M in bf16 against
+     HF ``generate`` on the same device and prompts, plus how far their greedy tokens agree.
+It prints a table and writes everything to JSON; the exit status is 1 if a correctness case fails.
+``--dry-run`` runs all three sections on CPU under ``TRITON_INTERPRET=1`` with tiny shapes, so CI
+keeps the script from rotting (tests/kernels/test_gpu_kernels_dry_run.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+H200_PEAK_GBPS = 4800.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes")
+    p.add_argument("--out", default="gpu_kernels.json", help="where to write the JSON results")
+    p.add_argument("--model", default=None,
+                   help="model dir for the end-to-end section (default: the prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--skip-e2e", action="store_true", help="kernel sections only")
+    p.add_argument("--peak-gbps", type=float, default=H200_PEAK_GBPS, help="device peak HBM bandwidth, GB/s")
+    p.add_argument("--e2e-prompts", type=int, default=None, help="prompts in the end-to-end run")
+    p.add_argument("--e2e-max-tokens", type=int, default=None, help="tokens generated per prompt")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args()
+if ARGS.dry_run:
+    # before triton is imported anywhere: the kernels are wrapped for the interpreter at import
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["PAGEDMODEL_ATTENTION_BACKEND"] = "triton"
+
+import torch  # noqa: E402
+
+from pagedmodel.kernels import torch_attention  # noqa: E402
+from pagedmodel.kernels import triton_attention  # noqa: E402
+from pagedmodel.kernels.attention_metadata import AttentionMetadata  # noqa: E402
+
+
+# ---------------------------------------------------------------------------------------------
+# batches
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    meta: AttentionMetadata
+
+
+def make_batch(query_lens: list[int], seq_lens: list[int], *, block_size: int, q_heads: int, kv_heads: int,
+               head_dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Batch:
+    """Random cache (block 0 and tails included, so stray reads show) with shuffled physical blocks."""
+    rng = random.Random(seed)
+    needed = [-(-s // block_size) for s in seq_lens]
+    total = sum(needed) + 1
+    order = list(range(1, total))
+    rng.shuffle(order)
+    tables, slots, at = [], [], 0
+    for q_len, s_len, n in zip(query_lens, seq_lens, needed):
+        table = order[at:at + n]
+        at += n
+        tables.append(table)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(s_len - q_len, s_len))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = torch.randn(2, total, block_size, kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    query = torch.randn(sum(query_lens), q_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    return Batch(query, cache, AttentionMetadata.build(query_lens, seq_lens, tables, slots, device))
+
+
+def decode_bytes(batch: Batch) -> int:
+    """Least HBM traffic of one attention call: every context token's K and V once, q in, out back."""
+    _, _, _, kv_heads, head_dim = batch.kv_cache.shape
+    elem = batch.kv_cache.element_size()
+    return (2 * sum(batch.meta.seq_lens_cpu) * kv_heads * head_dim + 2 * batch.query.numel()) * elem
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+def time_ms(fn: Callable[[], Any], device: torch.device, dry: bool) -> float:
+    """Median milliseconds per call."""
+    if dry:  # the interpreter is ~1e5x slower; one call tells that the path runs, not its speed
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. correctness
+
+TOLERANCE = {  # native half-precision dots on GPUs (P is rounded before P@V); interpreter is tighter
+    torch.float32: 1e-4,
+    torch.float16: 4e-3,
+    torch.bfloat16: 3e-2,
+}
+
+
+def correctness_cases(dry: bool) -> list[dict[str, Any]]:
+    f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    if dry:
+        mixed = dict(query_lens=[1, 4, 3, 0, 1], seq_lens=[9, 4, 12, 2, 1])
+        return [
+            dict(name="mixed gqa3 d64 bs16", **mixed, block_size=16, q_heads=3, kv_heads=1, head_dim=64, dtype=f32),
+            dict(name="mixed gqa2 d96 bs8", **mixed, block_size=8, q_heads=4, kv_heads=2, head_dim=96, dtype=bf16),
+            dict(name="mixed gqa1 d128 bs1", **mixed, block_size=1, q_heads=1, kv_heads=1, head_dim=128, dtype=f16),
+            dict(name="decode split4 bs8", query_lens=[1, 1], seq_lens=[30, 5], block_size=8, q_heads=2,
+                 kv_heads=1, head_dim=64, dtype=bf16, num_splits=4),
+        ]
+    decode = [1] * 24
+    mixed_q = decode + [1, 300, 57, 512, 0]
+    mixed_s = [random.Random(i).randint(1, 3000) for i in range(24)] + [1, 300, 1100, 2048, 77]
+    cases = []
+    for dtype in (bf16, f16, f32):
+        for block_size in (16, 32):
+            cases.append(dict(name=f"mixed gqa3 d64 bs{block_size}", query_lens=mixed_q, seq_lens=mixed_s,
+                              block_size=block_size, q_heads=9, kv_heads=3, head_dim=64, dtype=dtype))
+        cases.append(dict(name="mixed gqa4 d128 bs16", query_lens=mixed_q, seq_lens=mixed_s, block_size=16,
+                          q_heads=32, kv_heads=8, head_dim=128, dtype=dtype))
+    cases += [
+        dict(name="mixed gqa1 d96 bs8", query_lens=mixed_q, seq_lens=mixed_s, block_size=8, q_heads=12,
+             kv_heads=12, head_dim=96, dtype=bf16),
+        dict(name="mixed gqa8 d128 bs128", query_lens=mixed_q, seq_lens=mixed_s, block_size=128, q_heads=64,
+             kv_heads=8, head_dim=128, dtype=bf16),
+        dict(name="mixed gqa2 d64 bs1", query_lens=[1, 1, 33, 7], seq_lens=[1, 200, 33, 90], block_size=1,
+             q_heads=4, kv_heads=2, head_dim=64, dtype=bf16),
+        dict(name="decode 16k split heuristic", query_lens=[1, 1], seq_lens=[16384, 9000], block_size=16,
+             q_heads=32, kv_heads=8, head_dim=128, dtype=bf16),
+        dict(name="decode 4k split8", query_lens=[1] * 4, seq_lens=[4096, 4000, 17, 1], block_size=16,
+             q_heads=9, kv_heads=3, head_dim=64, dtype=bf16, num_splits=8),
+    ]
+    return cases
+
+
+def run_correctness(device: torch.device, dry: bool) -> list[dict[str, Any]]:
+    rows = []
+    for case in correctness_cases(dry):
+        case = dict(case)
+        name, dtype, splits = case.pop("name"), case["dtype"], case.pop("num_splits", None)
+        row: dict[str, Any] = {"name": name, "kernel": "paged_attention", "dtype": str(dtype).removeprefix("torch.")}
+        try:
+            b = make_batch(**case, device=device)
+            scale = case["head_dim"] ** -0.5
+            out = triton_attention.paged_attention(b.query, b.kv_cache, b.meta, scale, num_splits=splits)
+            ref = torch_attention.paged_attention(b.query.float(), b.kv_cache.float(), b.meta, scale)
+            err = float((out.float() - ref).abs().max()) if out.numel() else 0.0
+            row.update(max_abs_err=err, tolerance=TOLERANCE[dtype], ok=err <= TOLERANCE[dtype])
+        except Exception as exc:  # one broken case must not hide the others
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        rows.append(row)
+    rows += _check_cache_ops(device, dry)
+    return rows
+
+
+def _check_cache_ops(device: torch.device, dry: bool) -> list[dict[str, Any]]:
+    rows = []
+    num_blocks, block_size, heads, dim = (6, 8, 2, 64) if dry else (512, 16, 8, 128)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        try:
+            caches = [torch.randn(2, num_blocks, block_size, heads, dim, device=device).to(dtype) for _ in range(2)]
+            tokens = num_blocks * block_size // 2
+            slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+            slots[::7] = -1
+            k = torch.randn(tokens, heads, dim, device=device).to(dtype)
+            v = torch.randn(tokens, heads, dim, device=device).to(dtype)
+            ref = [c.clone() for c in caches]
+            triton_attention.write_kv(k, v, caches[0], slots)
+            torch_attention.write_kv(k, v, ref[0], slots)
+            rows.append({"name": f"write_kv {name}", "kernel": "write_kv", "dtype": name,
+                         "ok": bool(torch.equal(caches[0], ref[0]))})
+            half = num_blocks // 2
+            pairs = torch.stack([torch.arange(half), torch.arange(half, 2 * half)], 1).to(device)
+            triton_attention.copy_blocks(caches, pairs)
+            torch_attention.copy_blocks(ref, pairs)
+            rows.append({"name": f"copy_blocks {name}", "kernel": "copy_blocks", "dtype": name,
+                         "ok": all(torch.equal(a, b) for a, b in zip(caches, ref))})
+        except Exception as exc:
+            rows.append({"name": f"cache ops {name}", "kernel": "write_kv/copy_blocks", "dtype": name, "ok": False,
+                         "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. decode bandwidth
+
+LAYOUTS = {"smollm2-135m (9q/3kv x 64)": (9, 3, 64), "8b-class (32q/8kv x 128)": (32, 8, 128)}
+
+
+def run_bandwidth(device: torch.device, dry: bool, peak_gbps: float) -> list[dict[str, Any]]:
+    from pagedmodel.kernels.triton_paged_attention import plan_launch
+
+    batches, contexts = ((1, 2), (16, 40)) if dry else ((1, 32, 256), (512, 4096))
+    layouts = {"tiny (2q/1kv x 64)": (2, 1, 64)} if dry else LAYOUTS
+    dtype = torch.float32 if dry else torch.bfloat16
+    rows = []
+    for layout, (q_heads, kv_heads, head_dim) in layouts.items():
+        for batch_size in batches:
+            for ctx in contexts:
+                row: dict[str, Any] = {"layout": layout, "batch": batch_size, "context": ctx}
+                try:
+                    b = make_batch([1] * batch_size, [ctx] * batch_size, block_size=16, q_heads=q_heads,
+                                   kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+                                   seed=batch_size)
+                    scale = head_dim ** -0.5
+                    ms = time_ms(lambda: triton_attention.paged_attention(b.query, b.kv_cache, b.meta, scale),
+                                 device, dry)
+                    torch_ms = time_ms(lambda: torch_attention.paged_attention(b.query, b.kv_cache, b.meta, scale),
+                                       device, dry)
+                    gbps = decode_bytes(b) / (ms * 1e-3) / 1e9
+                    row.update(
+                        bytes=decode_bytes(b), triton_us=ms * 1e3, torch_us=torch_ms * 1e3,
+                        gbps=gbps, peak_pct=100.0 * gbps / peak_gbps, speedup_vs_torch=torch_ms / ms,
+                        num_splits=plan_launch(b.query, b.kv_cache, b.meta).num_splits,
+                    )
+                    del b
+                except Exception as exc:
+                    row.update(error=f"{type(exc).__name__}: {exc}")
+                rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. end to end
+
+PROMPT_STEMS = [
+    "The capital of France is", "Write a haiku about the sea.", "Explain what a KV cache is.",
+    "List three prime numbers:", "Once upon a time", "The quick brown fox", "def fibonacci(n):",
+    "Translate to French: good morning", "What is 17 times 23?", "Summarize the plot of Hamlet.",
+]
+
+
+def run_e2e(device: torch.device, dry: bool, model: str | None, num_prompts: int | None,
+            max_tokens: int | None) -> dict[str, Any]:
+    try:
+        from pagedmodel.server.llm import LLM
+        from pagedmodel.server.sampling_params import SamplingParams
+    except ImportError as exc:
+        return {"skipped": f"engine not importable: {exc}"}
+    if model is None:
+        if dry:
+            return {"skipped": "dry run without --model (pass a tiny model dir)"}
+        try:
+            from pagedmodel.server.model_store import resolve_model
+
+            model = str(resolve_model(None))
+        except Exception as exc:
+            return {"skipped": f"no model: {type(exc).__name__}: {exc}"}
+    num_prompts = num_prompts or (2 if dry else 64)
+    max_tokens = max_tokens or (3 if dry else 128)
+    prompts = [f"{PROMPT_STEMS[i % len(PROMPT_STEMS)]} ({i})" for i in range(num_prompts)]
+    dtype = torch.float32 if dry else torch.bfloat16
+    result: dict[str, Any] = {"model": model, "prompts": num_prompts, "max_tokens": max_tokens,
+                              "dtype": str(dtype).removeprefix("torch.")}
+    hf_tokens = None
+    try:
+        hf_tokens, result["hf_tokens_per_s"] = _hf_generate(model, prompts, max_tokens, dtype, device)
+    except Exception as exc:
+        result["hf_error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        llm = LLM(model=model, device=device.type, dtype=str(dtype).removeprefix("torch."),
+                  **({"kv_cache_memory": 64 << 20} if dry else {}))
+        result["backend"] = llm.engine.backend.name
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm up/compile
+        _sync(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        generated = sum(len(o.outputs[0].token_ids) for o in outs)
+        result.update(engine_tokens_per_s=generated / elapsed, engine_seconds=elapsed, generated_tokens=generated)
+        if hf_tokens is not None:
+            engine_tokens = [list(o.outputs[0].token_ids) for o in outs]
+            prefix = [_common_prefix(a, b) for a, b in zip(engine_tokens, hf_tokens)]
+            result["greedy_agreement"] = {
+                "identical": sum(p == max_tokens for p in prefix),
+                "mean_common_prefix": statistics.fmean(prefix),
+                "of": len(prefix),
+            }
+        if "hf_tokens_per_s" in result:
+            result["speedup_vs_hf"] = result["engine_tokens_per_s"] / result["hf_tokens_per_s"]
+        del llm
+    except Exception as exc:
+        result["engine_error"] = f"{type(exc).__name__}: {exc}"
+        result["engine_traceback"] = traceback.format_exc()
+    return result
+
+
+def _hf_generate(model: str, prompts: list[str], max_tokens: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[list[list[int]], float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    enc = tok(prompts, return_tensors="pt", padding=True).to(device)
+    kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                  pad_token_id=tok.pad_token_id)
+    with torch.inference_mode():
+        hf.generate(**tok(prompts[:2], return_tensors="pt", padding=True).to(device), **{**kwargs,
+                    "max_new_tokens": 2, "min_new_tokens": 2})  # warm up
+        _sync(device)
+        start = time.perf_counter()
+        out = hf.generate(**enc, **kwargs)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+    new = out[:, enc["input_ids"].shape[1]:].tolist()
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return new, sum(len(t) for t in new) / elapsed
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+def print_report(results: dict[str, Any]) -> None:
+    print(f"\n== {results['device']}  torch {results['torch']}  triton {results['triton']}"
+          f"{'  (DRY RUN: interpreter, tiny shapes; numbers are not performance)' if results['dry_run'] else ''}")
+    print("\n-- correctness vs torch")
+    for r in results["correctness"]:
+        detail = f"max|err| {r['max_abs_err']:.2e} (tol {r['tolerance']:.0e})" if "max_abs_err" in r else "exact"
+        print(f"  {'PASS' if r['ok'] else 'FAIL'}  {r['name']:<34} {r.get('dtype', ''):<9} "
+              f"{r.get('error', detail)}")
+    print(f"\n-- decode attention bandwidth ({results['bandwidth_dtype']}, 16-token blocks, shuffled)")
+    print(f"  {'layout':<28} {'batch':>5} {'ctx':>6} {'splits':>6} {'triton us':>10} {'torch us':>10} "
+          f"{'GB/s':>8} {'% peak':>7} {'vs torch':>8}")
+    for r in results["decode_bandwidth"]:
+        if "error" in r:
+            print(f"  {r['layout']:<28} {r['batch']:>5} {r['context']:>6}  ERROR {r['error']}")
+            continue
+        print(f"  {r['layout']:<28} {r['batch']:>5} {r['context']:>6} {r['num_splits']:>6} {r['triton_us']:>10.1f} "
+              f"{r['torch_us']:>10.1f} {r['gbps']:>8.1f} {r['peak_pct']:>6.1f}% {r['speedup_vs_torch']:>7.2f}x")
+    e2e = results["e2e"]
+    print("\n-- end to end")
+    if "skipped" in e2e:
+        print(f"  skipped: {e2e['skipped']}")
+    else:
+        for key in ("model", "dtype", "backend", "prompts", "max_tokens", "engine_tokens_per_s", "hf_tokens_per_s",
+                    "speedup_vs_hf", "greedy_agreement", "engine_error", "hf_error"):
+            if key in e2e:
+                value = e2e[key]
+                print(f"  {key:<22} {value:.1f}" if isinstance(value, float) else f"  {key:<22} {value}")
+
+
+def main() -> int:
+    dry = ARGS.dry_run
+    if not dry and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run for the CPU interpreter check", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if dry else "cuda")
+    import triton
+
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": "cpu (Triton interpreter)" if dry else torch.cuda.get_device_name(device),
+        "host": platform.node(), "torch": torch.__version__, "triton": triton.__version__,
+        "dry_run": dry, "peak_gbps": ARGS.peak_gbps,
+        "bandwidth_dtype": "float32" if dry else "bfloat16",
+    }
+    results["correctness"] = run_correctness(device, dry)
+    results["decode_bandwidth"] = run_bandwidth(device, dry, ARGS.peak_gbps)
+    results["e2e"] = ({"skipped": "--skip-e2e"} if ARGS.skip_e2e
+                      else run_e2e(device, dry, ARGS.model, ARGS.e2e_prompts, ARGS.e2e_max_tokens))
+    results["seconds"] = time.perf_counter() - started
+    print_report(results)
+    Path(ARGS.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {ARGS.out} ({results['seconds']:.0f} s)")
+    return 0 if all(r["ok"] for r in results["correctness"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
