@@ -75,7 +75,8 @@ WIDGET_CRD = {
                         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
                         "extra": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
                     }},
-                    "status": {"type": "object", "properties": {
+                    # kopf records handler results in status; keep what the schema does not list.
+                    "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {
                         "replicas": {"type": "integer"}, "selector": {"type": "string"},
                         "phase": {"type": "string"},
                         "conditions": {"type": "array", "items": {
