@@ -42,13 +42,20 @@ class InvalidRequestError(ValueError):
 
 
 def _resolve_model_dir(model: str | None) -> Path:
-    try:
-        from .model_store import resolve_model
-    except ModuleNotFoundError:  # model store not installed: only local directories work
-        if model and Path(model).is_dir():
-            return Path(model)
-        raise ConfigError(f"model {model!r} is not a local directory")
+    from .model_store import resolve_model
+
     return Path(resolve_model(model))
+
+
+def _default_served_name(model: str | None, model_dir: Path) -> str:
+    """A local dir serves under its folder name, a hub id under itself, a built-in under its upstream name."""
+    if model and Path(model).expanduser().is_dir():
+        return Path(model).expanduser().resolve().name
+    from .model_store import BUILTIN_SOURCES, DEFAULT_MODEL_NAME, SMOLLM2
+
+    if not model or any(model in s.aliases or model.lower() == s.name for s in BUILTIN_SOURCES.values()):
+        return DEFAULT_MODEL_NAME if (not model or model_dir.name == SMOLLM2.name) else model_dir.name
+    return model.removeprefix("hf://")
 
 
 def _pick_device(name: str) -> torch.device:
@@ -73,9 +80,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.model_dir = _resolve_model_dir(args.model)
-        self.model_name = args.served_model_name or args.model or self.model_dir.name
-        if args.model and Path(args.model).is_dir() and not args.served_model_name:
-            self.model_name = Path(args.model).resolve().name
+        self.model_name = args.served_model_name or _default_served_name(args.model, self.model_dir)
         config = read_config(self.model_dir)
         model_class(config)  # unsupported architectures fail here, before any allocation
         self.config = config
