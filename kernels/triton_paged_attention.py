@@ -22,6 +22,8 @@ Softmax is online, in fp32, in base 2 (``exp2`` with the scale folded into ``log
 from __future__ import annotations
 
 import functools
+import operator
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -150,10 +152,11 @@ def _paged_attention_kernel(
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS > 1:
         lse = tl.where(has_mass, m_i + tl.log2(tl.where(has_mass, l_i, 1.0)), float("-inf"))
-        po = (part_out_ptr + split * stride_po_s + q_rows[:, None] * stride_po_t
+        split64 = split.to(tl.int64)  # splits x T x heads x dim can pass 2**31 elements
+        po = (part_out_ptr + split64 * stride_po_s + q_rows[:, None] * stride_po_t
               + head[:, None] * stride_po_h + dims[None, :])
         tl.store(po, out, mask=out_mask)
-        tl.store(part_lse_ptr + split * stride_pl_s + q_rows * stride_pl_t + head, lse, mask=row_ok)
+        tl.store(part_lse_ptr + split64 * stride_pl_s + q_rows * stride_pl_t + head, lse, mask=row_ok)
     else:
         o = out_ptr + q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :]
         tl.store(o, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -170,7 +173,7 @@ def _merge_splits_kernel(
     """out = sum_s 2^(lse_s - max) * out_s / sum_s 2^(lse_s - max), for one (row, head)."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    splits = tl.arange(0, NUM_SPLITS)
+    splits = tl.arange(0, NUM_SPLITS).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
     lse = tl.load(part_lse_ptr + splits * stride_pl_s + row * stride_pl_t + head)
@@ -222,25 +225,28 @@ def check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
         tensor = getattr(meta, name)
         if tensor.dtype != torch.int32 or tensor.device != query.device:
             raise ValueError(f"meta.{name} must be int32 on {query.device}, got {tensor.dtype} on {tensor.device}")
-    if sum(meta.query_lens_cpu) != num_tokens:
-        raise ValueError(f"query has {num_tokens} rows but the query lengths sum to {sum(meta.query_lens_cpu)}")
-    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        if q_len < 0 or s_len < q_len or (q_len > 0 and s_len < 1):
-            raise ValueError(f"sequence {i}: need 0 <= query_len <= seq_len, got {q_len} and {s_len}")
+    q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+    if sum(q_lens) != num_tokens:
+        raise ValueError(f"query has {num_tokens} rows but the query lengths sum to {sum(q_lens)}")
+    # C-level passes (map/min), not a Python loop: this runs for every layer of every step
+    if num_seqs and (min(q_lens) < 0 or min(map(operator.sub, s_lens, q_lens)) < 0):
+        i, q_len, s_len = next((i, q, s) for i, (q, s) in enumerate(zip(q_lens, s_lens)) if q < 0 or s < q)
+        raise ValueError(f"sequence {i}: need 0 <= query_len <= seq_len, got {q_len} and {s_len}")
     needed = -(-meta.max_seq_len // block_size)
     if meta.block_tables.shape[1] < needed:
         raise ValueError(f"block_tables has {meta.block_tables.shape[1]} columns, "
                          f"the longest sequence needs {needed}")
 
 
-def choose_num_splits(num_tiles: int, kv_heads: int, max_query_len: int, max_seq_len: int,
+def choose_num_splits(busy_tiles: int, kv_heads: int, max_query_len: int, max_seq_len: int,
                       device: torch.device) -> int:
-    """Split the KV range only when it buys parallelism: decode-like batches too small to fill
-    the GPU, with contexts long enough that each split still streams >= 256 tokens."""
+    """Split the KV range only when it buys parallelism: decode-like batches with too few
+    (tile, kv head) programs to keep every SM streaming (~4 per SM), and contexts long enough
+    that each split still reads >= 256 tokens. Any value is exact; this only tunes speed."""
     if device.type != "cuda" or max_query_len > 16 or max_seq_len < 512:
         return 1
-    programs = num_tiles * kv_heads
-    want = -(-2 * _num_sms(device.index or 0) // max(programs, 1))
+    programs = max(busy_tiles * kv_heads, 1)
+    want = -(-4 * _num_sms(device.index or 0) // programs)
     most = max_seq_len // 256
     splits = 1
     while splits * 2 <= min(want, most, 16):
@@ -270,7 +276,8 @@ def plan_launch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
     # tl.dot needs every extent >= 16 on GPUs: decode tiles hold one token, so their head group
     # is padded to 16 rows, and tiny head dims are padded to 16.
     min_dot = 16 if query.device.type == "cuda" else 1
-    decode_only = meta.max_query_len <= 1
+    max_query_len = meta.max_query_len
+    decode_only = max_query_len <= 1
     if block_m is None:
         block_m = 16 if decode_only else 64
     if block_m < 1 or block_m & (block_m - 1):
@@ -283,11 +290,39 @@ def plan_launch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
         raise ValueError(f"block_n must be a power of two (>= 16 on GPUs), got {block_n}")
     num_tiles = num_tokens // block_q + meta.num_seqs
     if num_splits is None:
-        num_splits = choose_num_splits(num_tiles, kv_heads, meta.max_query_len, meta.max_seq_len, query.device)
+        busy_tiles = max(meta.num_seqs, -(-num_tokens // block_q))  # spare tiles exit at once
+        num_splits = choose_num_splits(busy_tiles, kv_heads, max_query_len, meta.max_seq_len, query.device)
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     return LaunchPlan(block_q=block_q, group_pad=group_pad, block_n=block_n,
                       head_dim_pad=max(next_pow2(head_dim), min_dot), num_tiles=num_tiles, num_splits=num_splits)
+
+
+# Every layer of a step calls paged_attention with the same metadata and same-shaped tensors,
+# so validation and planning (O(batch) host work) are done once per step: a one-entry cache
+# keyed on that metadata object (held weakly, so a recycled id can't alias) and on the tensor
+# properties the plan depends on. A plan is exact for any batch with the same (T, B) and shapes
+# (splits and tile counts are only tuned from the lengths), so even an in-place edit of the
+# metadata's lengths can't make a cached plan read or write the wrong rows.
+_last_plan: tuple[weakref.ref, tuple, LaunchPlan | None] | None = None
+
+
+def _checked_plan(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                  overrides: tuple[int | None, ...]) -> LaunchPlan | None:
+    global _last_plan
+    key = (tuple(query.shape), query.stride(), query.dtype, query.device, tuple(kv_cache.shape),
+           kv_cache.stride(), kv_cache.dtype, len(meta.seq_lens_cpu), overrides)
+    cached = _last_plan
+    if cached is not None and cached[0]() is meta and cached[1] == key:
+        return cached[2]
+    check_inputs(query, kv_cache, meta)
+    require_launchable(query.device)
+    plan = None
+    if query.shape[0]:
+        block_m, block_n, num_splits = overrides
+        plan = plan_launch(query, kv_cache, meta, block_m=block_m, block_n=block_n, num_splits=num_splits)
+    _last_plan = (weakref.ref(meta), key, plan)
+    return plan
 
 
 def paged_attention(
@@ -305,14 +340,12 @@ def paged_attention(
     The keyword-only tile overrides (see ``plan_launch``) let tests reach every code path with
     tiny shapes; the engine never passes them.
     """
-    check_inputs(query, kv_cache, meta)
-    require_launchable(query.device)
+    plan = _checked_plan(query, kv_cache, meta, (block_m, block_n, num_splits))
     num_tokens, q_heads, head_dim = query.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     out = torch.empty((num_tokens, q_heads, head_dim), dtype=query.dtype, device=query.device)
-    if num_tokens == 0:
+    if plan is None:
         return out
-    plan = plan_launch(query, kv_cache, meta, block_m=block_m, block_n=block_n, num_splits=num_splits)
     splits = plan.num_splits
     upcast = interpreting() and query.dtype == torch.bfloat16  # numpy has no bf16 arithmetic
     precision = "ieee" if query.dtype == torch.float32 else "tf32"  # fp32 stays exact, no TF32

@@ -207,3 +207,14 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch):
 def test_split_heuristic_stays_off_the_cpu_and_short_contexts():
     cpu = torch.device("cpu")
     assert triton_paged_attention.choose_num_splits(1, 1, 1, 100_000, cpu) == 1
+
+
+def test_each_new_metadata_is_validated_even_after_a_cached_plan():
+    # the per-step plan cache must key on the metadata object, not on shapes alone
+    batch = make_batch([2, 1], [4, 3], block_size=2)
+    paged_attention(batch.query, batch.kv_cache, batch.meta, 0.1)
+    paged_attention(batch.query, batch.kv_cache, batch.meta, 0.1)  # served from the cache
+    meta = batch.meta
+    bad = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables[:, :1],
+                            meta.query_lens_cpu, meta.seq_lens_cpu)
+    _bad("block_tables has 1 columns", batch, meta=bad)
