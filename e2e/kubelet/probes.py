@@ -6,6 +6,8 @@ from typing import Any
 
 import aiohttp
 
+from .environment import resolve_command
+
 
 def _port(port: Any, container: dict[str, Any]) -> int:
     if isinstance(port, int):
@@ -43,7 +45,7 @@ async def run_probe(probe: dict[str, Any], container: dict[str, Any], pod_ip: st
             writer.close()
             return True, ""
         if "exec" in probe:
-            command = probe["exec"].get("command") or []
+            command = resolve_command(list(probe["exec"].get("command") or []))
             proc = await asyncio.create_subprocess_exec(*command, env=env, cwd=cwd, stdout=asyncio.subprocess.PIPE,
                                                         stderr=asyncio.subprocess.STDOUT)
             try:
