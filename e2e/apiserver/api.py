@@ -9,14 +9,13 @@ import base64
 import copy
 import json
 import random
-import string
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from . import crds, defaults, events, patch as patches, schema as schemas
-from .errors import ApiError, FieldError, already_exists, bad_request, conflict, forbidden, invalid, not_found
+from .errors import ApiError, FieldError, already_exists, bad_request, conflict, invalid, not_found
 from .patch import APPLY_PATCH, JSON_PATCH, MERGE_PATCH, STRATEGIC_MERGE_PATCH
 from .resources import Registry, ResourceType
 from .selectors import labels_match, parse_field_selector, parse_label_selector, selector_string

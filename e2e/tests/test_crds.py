@@ -5,7 +5,6 @@ import copy
 
 
 from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
 from .helpers import WIDGET_CRD, raw, wait_until
