@@ -256,3 +256,36 @@ def test_dynamic_client_and_discovery(api_client, namespace):
     patch_op = doc["paths"]["/apis/apps/v1/namespaces/{namespace}/deployments/{name}"]["patch"]
     assert patch_op["x-kubernetes-group-version-kind"]["kind"] == "Deployment"
     assert any(p["name"] == "fieldValidation" for p in patch_op["parameters"])
+
+
+def test_dry_run_and_delete_collection(api_client, namespace):
+    core = k8s.CoreV1Api(api_client)
+    dry = core.create_namespaced_config_map(namespace, _cm("dry"), dry_run="All")
+    assert dry.metadata.name == "dry"
+    with pytest.raises(ApiException):
+        core.read_namespaced_config_map("dry", namespace)
+    for i in range(3):
+        body = _cm(f"bulk{i}")
+        body["metadata"]["labels"] = {"bulk": "yes" if i < 2 else "no"}
+        core.create_namespaced_config_map(namespace, body)
+    core.delete_collection_namespaced_config_map(namespace, label_selector="bulk=yes")
+    left = sorted(c.metadata.name for c in core.list_namespaced_config_map(namespace, label_selector="bulk").items)
+    assert left == ["bulk2"]
+
+
+def test_update_via_put_keeps_server_fields(api_client, namespace):
+    core = k8s.CoreV1Api(api_client)
+    created = core.create_namespaced_config_map(namespace, _cm("put", a="1"))
+    status, body, _ = raw(api_client, "PUT", f"/api/v1/namespaces/{namespace}/configmaps/put",
+                          body={"apiVersion": "v1", "kind": "ConfigMap",
+                                "metadata": {"name": "put", "uid": created.metadata.uid,
+                                             "creationTimestamp": "2000-01-01T00:00:00Z"},
+                                "data": {"a": "2"}})
+    assert status == 200 and body["data"] == {"a": "2"}
+    assert body["metadata"]["creationTimestamp"] == created.metadata.creation_timestamp.strftime("%Y-%m-%dT%H:%M:%SZ")
+    status, body, _ = raw(api_client, "PUT", f"/api/v1/namespaces/{namespace}/configmaps/put",
+                          body={"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "other"}})
+    assert status == 400 and "does not match the name on the URL" in body["message"]
+    status, body, _ = raw(api_client, "POST", f"/api/v1/namespaces/{namespace}/configmaps",
+                          body={"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "wrongkind"}})
+    assert status == 400 and "does not match the expected kind" in body["message"]

@@ -165,3 +165,34 @@ def test_graceful_termination_escalates_to_sigkill(cluster, namespace, local_onl
     assert 1.5 <= elapsed < 15, elapsed
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_recreate_strategy_replaces_all_pods(cluster, namespace):
+    first = web_deployment(name="rec", replicas=2)
+    first["spec"]["strategy"] = {"type": "Recreate"}
+    _apply(cluster, namespace, first)
+    cluster.kubectl("rollout", "status", "deployment/rec", "--timeout=90s", namespace=namespace, timeout=100)
+    old = {p["metadata"]["name"] for p in _pods(cluster, namespace, "app=rec")}
+    second = web_deployment(name="rec", replicas=2, version="v2")
+    second["spec"]["strategy"] = {"type": "Recreate"}
+    mixed: list[bool] = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            pods = [p for p in _pods(cluster, namespace, "app=rec") if _ready(p)]
+            names = {p["metadata"]["name"] for p in pods}
+            mixed.append(bool(names & old) and bool(names - old))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        _apply(cluster, namespace, second)
+        cluster.kubectl("rollout", "status", "deployment/rec", "--timeout=90s", namespace=namespace, timeout=100)
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    assert not any(mixed), "Recreate ran old and new pods side by side"
+    new = {p["metadata"]["name"] for p in _pods(cluster, namespace, "app=rec")}
+    assert len(new) == 2 and not new & old
