@@ -22,6 +22,7 @@ from .selectors import labels_match, parse_field_selector, parse_label_selector,
 from .store import Store
 
 _NAME_SUFFIX = "bcdfghjklmnpqrstvwxz2456789"
+_UNDELETABLE_NAMESPACES = ("default", "kube-system", "kube-public")
 
 
 def now_iso(offset_seconds: float = 0) -> str:
@@ -430,6 +431,9 @@ class Api:
         options = options or {}
         obj = self._stored(rt, namespace, name)
         meta = obj["metadata"]
+        if rt.storage_key == "namespaces" and name in _UNDELETABLE_NAMESPACES:
+            raise ApiError(403, "Forbidden", f'namespaces "{name}" is forbidden: this namespace may not be deleted',
+                           details={"name": name, "kind": "namespaces"})
         pre = options.get("preconditions") or {}
         if pre.get("uid") and pre["uid"] != meta["uid"]:
             raise conflict(rt.group, rt.plural, name, f"Precondition failed: UID in precondition: {pre['uid']}, "

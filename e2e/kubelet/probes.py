@@ -22,8 +22,9 @@ def _port(port: Any, container: dict[str, Any]) -> int:
 
 async def run_probe(probe: dict[str, Any], container: dict[str, Any], pod_ip: str,
                     env: dict[str, str], cwd: str) -> tuple[bool, str]:
-    """One probe attempt: (success, failure message)."""
+    """One probe attempt: (success, failure message worded like the kubelet's)."""
     timeout = float(probe.get("timeoutSeconds", 1))
+    target = ""
     try:
         if "httpGet" in probe:
             spec = probe["httpGet"]
@@ -32,6 +33,7 @@ async def run_probe(probe: dict[str, Any], container: dict[str, Any], pod_ip: st
                   f"{spec.get('path', '/')}"
             headers = {h["name"]: h["value"] for h in spec.get("httpHeaders") or []}
             headers.setdefault("User-Agent", "kube-probe/1.37")
+            target = f'Get "{url}"'
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
                 async with session.get(url, headers=headers, allow_redirects=False) as resp:
                     await resp.read()
@@ -41,6 +43,7 @@ async def run_probe(probe: dict[str, Any], container: dict[str, Any], pod_ip: st
         if "tcpSocket" in probe:
             spec = probe["tcpSocket"]
             port = _port(spec.get("port"), container)
+            target = f"dial tcp {spec.get('host') or pod_ip}:{port}"
             _, writer = await asyncio.wait_for(asyncio.open_connection(spec.get("host") or pod_ip, port), timeout)
             writer.close()
             return True, ""
@@ -59,9 +62,15 @@ async def run_probe(probe: dict[str, Any], container: dict[str, Any], pod_ip: st
             return False, out.decode(errors="replace")[-500:] or f"exit status {proc.returncode}"
         return False, "unsupported probe handler (the local kubelet runs httpGet, tcpSocket and exec)"
     except asyncio.TimeoutError:
-        return False, f"Get probe: context deadline exceeded (Client.Timeout exceeded after {timeout:g}s)"
+        return False, f"{target or 'probe'}: context deadline exceeded (Client.Timeout exceeded while awaiting " \
+                      "headers)"
+    except aiohttp.ClientConnectorError as exc:
+        refused = "connection refused" if isinstance(exc.os_error, ConnectionRefusedError) else str(exc.os_error)
+        return False, f"{target}: dial tcp {exc.host}:{exc.port}: connect: {refused}"
+    except ConnectionRefusedError:
+        return False, f"{target}: connect: connection refused"
     except (aiohttp.ClientError, OSError, ValueError) as exc:
-        return False, f"{type(exc).__name__}: {exc}"
+        return False, f"{target or 'probe'}: {exc}"
 
 
 class ProbeState:

@@ -289,3 +289,21 @@ def test_update_via_put_keeps_server_fields(api_client, namespace):
     status, body, _ = raw(api_client, "POST", f"/api/v1/namespaces/{namespace}/configmaps",
                           body={"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "wrongkind"}})
     assert status == 400 and "does not match the expected kind" in body["message"]
+
+
+def test_events_k8s_io_writes_are_core_events(api_client, namespace):
+    events_v1 = k8s.EventsV1Api(api_client)
+    events_v1.create_namespaced_event(namespace, {
+        "apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "new-style"},
+        "eventTime": "2026-01-01T00:00:00.000000Z", "reportingController": "e2e.pagedmodel.io/test",
+        "reportingInstance": "e2e-1", "action": "Testing", "reason": "NewStyle", "note": "written via events.k8s.io",
+        "type": "Normal", "regarding": {"kind": "Namespace", "name": namespace}})
+    core = k8s.CoreV1Api(api_client).read_namespaced_event("new-style", namespace)
+    assert (core.reason, core.message, core.involved_object.name) == ("NewStyle", "written via events.k8s.io",
+                                                                       namespace)
+    assert core.reporting_component == "e2e.pagedmodel.io/test"
+
+
+def test_protected_namespaces_cannot_be_deleted(api_client):
+    status, body, _ = raw(api_client, "DELETE", "/api/v1/namespaces/default")
+    assert status == 403 and body["reason"] == "Forbidden"
