@@ -30,7 +30,7 @@ def test_dry_run_runs_every_section(tmp_path, tiny_llama_dir):
 
     rows = results["decode_bandwidth"]
     assert len(rows) == 4 and not any("error" in r for r in rows)
-    assert all(r["gbps"] > 0 and r["triton_us"] > 0 and r["torch_us"] > 0 for r in rows)
+    assert all(r["gbps"] > 0 and r["kernel_us"] > 0 and r["call_us"] > 0 and r["torch_us"] > 0 for r in rows)
 
     e2e = results["e2e"]
     assert "engine_error" not in e2e and "hf_error" not in e2e, e2e
