@@ -37,10 +37,16 @@ _TABLES: dict[str, dict[int, tuple[str, str]]] = {
     "DeleteOptions": {1: ("gracePeriodSeconds", "int"), 2: ("preconditions", "Preconditions"),
                       3: ("orphanDependents", "bool"), 4: ("propagationPolicy", "str"), 5: ("dryRun", "list_str")},
     "Preconditions": {1: ("uid", "str"), 2: ("resourceVersion", "str")},
+    "SelfSubjectAccessReview": {1: ("metadata", "ObjectMeta"), 2: ("spec", "SelfSubjectAccessReviewSpec")},
+    "SelfSubjectAccessReviewSpec": {1: ("resourceAttributes", "ResourceAttributes"),
+                                    2: ("nonResourceAttributes", "NonResourceAttributes")},
+    "ResourceAttributes": {1: ("namespace", "str"), 2: ("verb", "str"), 3: ("group", "str"), 4: ("version", "str"),
+                           5: ("resource", "str"), 6: ("subresource", "str"), 7: ("name", "str")},
+    "NonResourceAttributes": {1: ("path", "str"), 2: ("verb", "str")},
     "Time": {1: ("seconds", "int"), 2: ("nanos", "int")},
     "MapEntry": {1: ("key", "str"), 2: ("value", "bytes")},
 }
-SUPPORTED = ("ConfigMap", "Secret", "Namespace", "ServiceAccount", "DeleteOptions")
+SUPPORTED = ("ConfigMap", "Secret", "Namespace", "ServiceAccount", "DeleteOptions", "SelfSubjectAccessReview")
 
 
 class ProtobufError(ValueError):

@@ -89,6 +89,9 @@ def builtin_types() -> list[ResourceType]:
         _b("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False),
         _b("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", short_names=["hpa"],
            categories=["all"], status_subresource=True),
+        # Answered, never stored: every access is allowed because RBAC is not enforced.
+        _b("authorization.k8s.io", "v1", "selfsubjectaccessreviews", "SelfSubjectAccessReview", False,
+           verbs=["create"]),
         _b("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False,
            short_names=["crd", "crds"], status_subresource=True, has_generation=True),
     ]

@@ -147,3 +147,4 @@ def test_typed_create_commands(cluster, namespace):
     assert base64.b64decode(token).decode() == "s3cr3t"
     wait_until(lambda: cluster.kubectl("get", "sa", "default", namespace=namespace, check=False).returncode == 0,
                what="default service account")
+    assert cluster.kubectl("auth", "can-i", "create", "deployments", namespace=namespace).stdout.strip() == "yes"
