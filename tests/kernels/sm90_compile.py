@@ -68,6 +68,14 @@ def main() -> int:
                           BLOCK_Q=block_q, BLOCK_N=block_n, NUM_SPLITS=splits, UPCAST=False,
                           DOT_PRECISION="ieee" if dtype == "fp32" else "tf32"),
                      ("scale_log2",)))
+    # the JIT turns integer arguments equal to 1 into constants: one sequence, a one-column
+    # block table and (block size 1) a unit offset stride must still compile
+    jobs.append(("paged_attention bf16 one sequence, unit strides", triton_paged_attention._paged_attention_kernel,
+                 dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16", cache_ptr="*bf16",
+                      block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"),
+                 dict(num_seqs=1, stride_bt=1, BLOCK_SIZE=1, HEAD_DIM=64, HEAD_DIM_PAD=64, GROUP=1, GROUP_PAD=16,
+                      BLOCK_Q=1, BLOCK_N=16, NUM_SPLITS=2, UPCAST=False, DOT_PRECISION="tf32"),
+                 ("scale_log2",)))
     for splits in (2, 16):
         jobs.append((f"merge_splits splits {splits}", triton_paged_attention._merge_splits_kernel,
                      dict(out_ptr="*bf16", part_out_ptr="*fp32", part_lse_ptr="*fp32"),
