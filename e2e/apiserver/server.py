@@ -32,6 +32,17 @@ def _json(body: Any, status: int = 200, warnings: list[str] | None = None) -> we
                         headers=headers)
 
 
+def _int_param(query: Any, name: str) -> int | None:
+    """An integer query parameter, or a 400 naming it (never a 500 from int())."""
+    text = query.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise bad_request(f'invalid value for parameter "{name}": {text!r} is not an integer') from None
+
+
 def _truthy(value: str | None) -> bool:
     return value is not None and value.lower() in ("1", "true", "t", "yes")
 
@@ -162,7 +173,7 @@ class ApiServer:
             if name is None:
                 items, meta = api.list(rt, namespace, label_selector=q.get("labelSelector"),
                                        field_selector=q.get("fieldSelector"),
-                                       limit=int(q["limit"]) if q.get("limit") else None,
+                                       limit=_int_param(q, "limit"),
                                        continue_token=q.get("continue"))
                 if table:
                     return _json(self._table(rt, items, meta, q.get("includeObject")))
@@ -204,7 +215,7 @@ class ApiServer:
                 raise bad_request("DeleteOptions must be an object")
             for key in ("propagationPolicy", "gracePeriodSeconds", "orphanDependents"):
                 if key in q:
-                    body[key] = int(q[key]) if key == "gracePeriodSeconds" else (
+                    body[key] = _int_param(q, key) if key == "gracePeriodSeconds" else (
                         _truthy(q[key]) if key == "orphanDependents" else q[key])
             dry_run = q.get("dryRun") == "All" or body.get("dryRun") == ["All"]
             if name is None:
@@ -246,7 +257,7 @@ class ApiServer:
         ns = namespace if rt.namespaced else None
         bookmarks = _truthy(q.get("allowWatchBookmarks"))
         initial_events = _truthy(q.get("sendInitialEvents"))
-        timeout = float(q["timeoutSeconds"]) if q.get("timeoutSeconds") else None
+        timeout = _int_param(q, "timeoutSeconds")
         rv_text = q.get("resourceVersion") or ""
         if rv_text not in ("", "0") and not rv_text.isdigit():
             raise bad_request(f"resourceVersion: Invalid value: {rv_text!r}: must be a number")
@@ -371,9 +382,10 @@ class ApiServer:
             raise bad_request(f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating')
         with open(path, "rb") as fh:
             data = fh.read()
-        if q.get("tailLines"):
+        tail = _int_param(q, "tailLines")
+        if tail is not None:
             lines = data.splitlines(keepends=True)
-            data = b"".join(lines[-int(q["tailLines"]):]) if int(q["tailLines"]) > 0 else b""
+            data = b"".join(lines[-tail:]) if tail > 0 else b""
         if not _truthy(q.get("follow")):
             return web.Response(body=data, content_type="text/plain")
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})

@@ -307,3 +307,10 @@ def test_events_k8s_io_writes_are_core_events(api_client, namespace):
 def test_protected_namespaces_cannot_be_deleted(api_client):
     status, body, _ = raw(api_client, "DELETE", "/api/v1/namespaces/default")
     assert status == 403 and body["reason"] == "Forbidden"
+
+
+@pytest.mark.parametrize("query", [{"limit": "ten"}, {"watch": "1", "timeoutSeconds": "soon"},
+                                   {"labelSelector": "a in b"}, {"fieldSelector": "nonsense"}])
+def test_bad_query_parameters_are_400(api_client, namespace, query):
+    status, body, _ = raw(api_client, "GET", f"/api/v1/namespaces/{namespace}/configmaps", query=query)
+    assert status == 400 and body["kind"] == "Status" and body["reason"] == "BadRequest", body
