@@ -269,7 +269,8 @@ def plan_launch(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
                 block_m: int | None = None, block_n: int | None = None,
                 num_splits: int | None = None) -> LaunchPlan:
     """Heuristic tile shapes, overridable: ``block_m`` (rows per tile = query tokens x grouped
-    heads), ``block_n`` (KV tokens per step), ``num_splits`` (KV splits); powers of two."""
+    heads; steps where every row is a decode always use one token per tile), ``block_n`` (KV
+    tokens per step), ``num_splits`` (KV splits); all powers of two."""
     num_tokens, q_heads, head_dim = query.shape
     kv_heads = kv_cache.shape[3]
     group_pad = next_pow2(q_heads // kv_heads)
