@@ -218,3 +218,22 @@ def test_each_new_metadata_is_validated_even_after_a_cached_plan():
     bad = AttentionMetadata(meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables[:, :1],
                             meta.query_lens_cpu, meta.seq_lens_cpu)
     _bad("block_tables has 1 columns", batch, meta=bad)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_never_reads_past_a_sequence_end(num_splits):
+    # NaN in every slot no sequence owns (block 0 = table padding, block tails, spare blocks):
+    # even a masked read would surface through 0 * NaN, so a finite, exact output proves the
+    # kernel touches only each sequence's first seq_len slots
+    batch = make_batch([1, 3, 1, 2], [5, 11, 1, 2], block_size=4, q_heads=2, kv_heads=1, seed=9)
+    meta = batch.meta
+    owned = torch.zeros(batch.kv_cache.shape[1] * 4, dtype=torch.bool)
+    for table, s_len in zip(meta.block_tables.tolist(), meta.seq_lens_cpu):
+        owned[[table[p // 4] * 4 + p % 4 for p in range(s_len)]] = True
+    clean = batch.kv_cache.clone()
+    flat = batch.kv_cache.view(2, -1, 1, 64)
+    flat[:, ~owned] = float("nan")
+    out = paged_attention(batch.query, batch.kv_cache, meta, 0.125, block_m=4, block_n=4, num_splits=num_splits)
+    assert bool(torch.isfinite(out).all())
+    expected = torch_attention.paged_attention(batch.query, clean, meta, 0.125)
+    torch.testing.assert_close(out, expected, **TOLERANCES[torch.float32])
