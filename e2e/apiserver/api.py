@@ -240,6 +240,8 @@ class Api:
             errors += crds.validate_crd(obj)
         else:
             errors += defaults.default_and_validate(rt.storage_key, obj, creating=old is None)
+            if old is not None:
+                errors += defaults.validate_update(rt.storage_key, old, obj)
         if errors:
             raise invalid(rt.kind, rt.group, name, errors)
 

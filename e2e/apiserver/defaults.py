@@ -156,3 +156,47 @@ def _qos_class(spec: dict[str, Any]) -> str:
            and {"cpu", "memory"} <= set(r["limits"]) for r in resources):
         return "Guaranteed"
     return "Burstable"
+
+
+# Pod spec fields an update may change (besides binding an unscheduled pod to a node).
+_POD_MUTABLE = ("activeDeadlineSeconds", "terminationGracePeriodSeconds", "tolerations")
+
+
+def _pod_spec_without_mutable(spec: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in spec.items() if k not in _POD_MUTABLE + ("nodeName",)}
+    for key in ("containers", "initContainers"):
+        if key in out:
+            out[key] = [{k: v for k, v in c.items() if k != "image"} for c in out[key]]
+    return out
+
+
+def validate_update(storage: str, old: dict[str, Any], new: dict[str, Any]) -> list[FieldError]:
+    """The immutability rules users most often trip over, with the API server's wording."""
+    errors: list[FieldError] = []
+    if storage in ("deployments.apps", "replicasets.apps", "statefulsets.apps"):
+        before, after = (old.get("spec") or {}).get("selector"), (new.get("spec") or {}).get("selector")
+        if before != after:
+            errors.append(FieldError("FieldValueInvalid", "spec.selector",
+                                     f"Invalid value: {after!r}: field is immutable"))
+    elif storage == "pods":
+        before, after = old.get("spec") or {}, new.get("spec") or {}
+        if before.get("nodeName") and after.get("nodeName") != before.get("nodeName"):
+            errors.append(FieldError("FieldValueForbidden", "spec.nodeName", "Forbidden: field is immutable"))
+        if _pod_spec_without_mutable(before) != _pod_spec_without_mutable(after):
+            errors.append(FieldError(
+                "FieldValueForbidden", "spec",
+                "Forbidden: pod updates may not change fields other than `spec.containers[*].image`,"
+                "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions "
+                "to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was "
+                "previously negative)"))
+    elif storage == "services":
+        before, after = (old.get("spec") or {}).get("clusterIP"), (new.get("spec") or {}).get("clusterIP")
+        if before and after != before:
+            errors.append(FieldError("FieldValueInvalid", "spec.clusterIPs[0]",
+                                     f"Invalid value: {[after]!r}: may not change once set"))
+    elif storage in ("configmaps", "secrets") and old.get("immutable"):
+        for field in ("data", "binaryData", "immutable"):
+            if old.get(field) != new.get(field):
+                errors.append(FieldError("FieldValueForbidden", field,
+                                         "Forbidden: field is immutable when `immutable` is set"))
+    return errors

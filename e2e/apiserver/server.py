@@ -382,6 +382,7 @@ class ApiServer:
             raise bad_request(f'container "{container}" in pod "{name}" is waiting to start: ContainerCreating')
         with open(path, "rb") as fh:
             data = fh.read()
+        offset = len(data)   # follow from exactly what was read, so no line is skipped or repeated
         tail = _int_param(q, "tailLines")
         if tail is not None:
             lines = data.splitlines(keepends=True)
@@ -391,7 +392,6 @@ class ApiServer:
         response = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
         await response.prepare(request)
         await response.write(data)
-        offset = os.path.getsize(path)
         uid = pod["metadata"]["uid"]
         while not self._closing.is_set():
             await asyncio.sleep(0.2)

@@ -138,7 +138,9 @@ BUILTIN_COLUMNS: dict[str, list[Column]] = {
     "pods": [_NAME, ("Ready", "string", 0, _pod_ready), ("Status", "string", 0, _pod_status),
              ("Restarts", "string", 0, lambda o: str(_pod_restarts(o))), _AGE,
              ("IP", "string", 1, lambda o: (o.get("status") or {}).get("podIP") or "<none>"),
-             ("Node", "string", 1, lambda o: o.get("spec", {}).get("nodeName") or "<none>")],
+             ("Node", "string", 1, lambda o: o.get("spec", {}).get("nodeName") or "<none>"),
+             ("Nominated Node", "string", 1, lambda o: (o.get("status") or {}).get("nominatedNodeName") or "<none>"),
+             ("Readiness Gates", "string", 1, lambda o: "<none>")],
     "deployments.apps": [
         _NAME,
         ("Ready", "string", 0, lambda o: f"{(o.get('status') or {}).get('readyReplicas', 0)}/"

@@ -56,7 +56,7 @@ class DeploymentController:
             return
         api = self.api
         d = api.served(self.d_rt, stored)
-        ns, name = d["metadata"]["namespace"], d["metadata"]["name"]
+        ns = d["metadata"]["namespace"]
         spec = d["spec"]
         replicas = spec.get("replicas", 1)
         rss = [api.served(self.rs_rt, rs) for rs in api.store.list("replicasets.apps", ns) if owned_by(rs, d)]
@@ -91,7 +91,6 @@ class DeploymentController:
         rss = [api.served(self.rs_rt, rs) for rs in api.store.list("replicasets.apps", ns) if owned_by(rs, d)]
         new_rs = next((rs for rs in rss if rs["metadata"]["uid"] == new_rs["metadata"]["uid"]), new_rs)
         self._write_status(d, new_rs, rss)
-        del name
 
     # --- strategies --------------------------------------------------------------------
 

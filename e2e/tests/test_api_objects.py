@@ -314,3 +314,23 @@ def test_protected_namespaces_cannot_be_deleted(api_client):
 def test_bad_query_parameters_are_400(api_client, namespace, query):
     status, body, _ = raw(api_client, "GET", f"/api/v1/namespaces/{namespace}/configmaps", query=query)
     assert status == 400 and body["kind"] == "Status" and body["reason"] == "BadRequest", body
+
+
+def test_immutable_fields(api_client, namespace):
+    core = k8s.CoreV1Api(api_client)
+    frozen = _cm("frozen", a="1")
+    frozen["immutable"] = True
+    core.create_namespaced_config_map(namespace, frozen)
+    status, body, _ = raw(api_client, "PATCH", f"/api/v1/namespaces/{namespace}/configmaps/frozen",
+                          headers={"Content-Type": "application/merge-patch+json"}, body={"data": {"a": "2"}})
+    assert status == 422 and "field is immutable when `immutable` is set" in body["message"]
+    apps = k8s.AppsV1Api(api_client)
+    apps.create_namespaced_deployment(namespace, {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "sel"},
+        "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "sel"}},
+                 "template": {"metadata": {"labels": {"app": "sel", "v": "1"}},
+                              "spec": {"containers": [{"name": "c", "image": "i", "command": ["true"]}]}}}})
+    status, body, _ = raw(api_client, "PATCH", f"/apis/apps/v1/namespaces/{namespace}/deployments/sel",
+                          headers={"Content-Type": "application/merge-patch+json"},
+                          body={"spec": {"selector": {"matchLabels": {"app": "sel", "v": "1"}}}})
+    assert status == 422 and "spec.selector" in body["message"] and "field is immutable" in body["message"]
