@@ -113,10 +113,10 @@ def test_delete_waits_for_finalizers(cluster, namespace):
                 "metadata": {"name": "held", "finalizers": ["e2e.pagedmodel.io/hold"]}}
     cluster.kubectl("apply", "-f", "-", stdin=json.dumps(manifest), namespace=namespace)
     with cluster.kubectl_stream("delete", "configmap", "held", "--timeout=60s", namespace=namespace) as proc:
-        time.sleep(1.5)
+        wait_until(lambda: cluster.kubectl_json("get", "configmap", "held", namespace=namespace)["metadata"]
+                   .get("deletionTimestamp"), what="deletionTimestamp set by kubectl delete")
+        time.sleep(1.0)
         assert proc.poll() is None, "kubectl delete returned before the finalizer was removed"
-        live = cluster.kubectl_json("get", "configmap", "held", namespace=namespace)
-        assert live["metadata"].get("deletionTimestamp")
         cluster.kubectl("patch", "configmap", "held", "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
                         namespace=namespace)
         assert proc.wait(timeout=30) == 0
