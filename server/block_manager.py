@@ -23,15 +23,18 @@ def block_hash(parent: bytes | None, token_ids: tuple[int, ...], salt: bytes = b
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 watermark: float = 0.01):
+                 watermark: float = 0.01, num_cpu_blocks: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None  # swap space
+        self.cpu_tables: dict[int, list[Block]] = {}   # tables of swapped-out sequences
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = int(watermark * num_blocks)
         self.tables: dict[int, list[Block]] = {}
         self._reserved: dict[int, int] = {}       # token slots each sequence asked for
         self._hashes: dict[int, list[bytes]] = {}  # chained hashes of each sequence's committed full blocks
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next step
+        self._copy_sources: list[Block] = []             # their sources, still referenced until then
         self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0      # of those, tokens served from it
 
@@ -46,6 +49,9 @@ class BlockManager:
 
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def cpu_usage(self) -> float:
+        return 0.0 if self.cpu_pool is None else 1.0 - self.cpu_pool.num_free / self.cpu_pool.num_blocks
 
     def block_ids(self, seq: Sequence) -> list[int]:
         return [b.block_id for b in self.tables.get(seq.seq_id, ())]
@@ -127,8 +133,8 @@ class BlockManager:
             old = table[cow]
             (new,) = self.pool.allocate(1)
             self.pending_copies.append((old.block_id, new.block_id))
-            self.pool.release(old)
-            table[cow] = new
+            self._copy_sources.append(old)  # released once the step's copies are taken, so the source
+            table[cow] = new                # cannot be handed out (and overwritten) before it is read
         if need:
             table.extend(self.pool.allocate(need))
         self._reserved[seq.seq_id] = max(self._reserved.get(seq.seq_id, 0), num_tokens)
@@ -137,8 +143,11 @@ class BlockManager:
     def _shared_write_block(self, seq: Sequence, table: list[Block]) -> int | None:
         """Index of the block the next write lands in, if other sequences share it (copy-on-write)."""
         idx = seq.num_computed_tokens // self.block_size
-        if idx < len(table) and table[idx].ref_cnt > 1:
-            return idx
+        if idx < len(table):
+            block = table[idx]
+            held_for_copy = sum(1 for b in self._copy_sources if b is block)
+            if block.ref_cnt - held_for_copy > 1:
+                return idx
         return None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -154,11 +163,80 @@ class BlockManager:
         table = self.tables.pop(seq.seq_id, None)
         self._reserved.pop(seq.seq_id, None)
         self._hashes.pop(seq.seq_id, None)
+        if table and self.pending_copies:  # a copy into a block we give up would clobber its next owner
+            gone = {b.block_id for b in table}
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in gone]
         for b in reversed(table or ()):
             self.pool.release(b)
+        for b in reversed(self.cpu_tables.pop(seq.seq_id, ())):
+            self.cpu_pool.release(b)
+
+    # ---- swapping (preemption by moving blocks to CPU memory) ------------------------------------
+    def _distinct(self, tables: list[list[Block]]) -> int:
+        return len({b.block_id for table in tables for b in table})
+
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        if self.cpu_pool is None:
+            return False
+        return self._distinct([self.tables[s.seq_id] for s in seqs]) <= self.cpu_pool.num_free
+
+    def can_swap_in(self, seqs: list[Sequence], watermark: bool) -> bool:
+        """Room for the blocks, plus what each sequence's next token needs: a new block, or a private copy
+        of a block it shares with its siblings (the last sharer writes in place)."""
+        tables = [self.cpu_tables[s.seq_id] for s in seqs]
+        sharers: dict[int, int] = {}
+        for table in tables:
+            for b in table:
+                sharers[b.block_id] = sharers.get(b.block_id, 0) + 1
+        need = len(sharers)
+        for seq, table in zip(seqs, tables):
+            last = self.blocks_needed(seq.num_tokens)
+            need += max(0, last - len(table))
+            idx = seq.num_computed_tokens // self.block_size
+            if idx < len(table) and sharers[table[idx].block_id] > 1:
+                sharers[table[idx].block_id] -= 1
+                need += 1
+        return need + (self.watermark_blocks if watermark else 0) <= self.pool.num_free
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move the sequences' blocks to swap space (shared blocks once); returns (device, cpu) pairs.
+        A block still waiting for its copy-on-write copy is swapped out from the copy's source instead."""
+        pairs = self._move(seqs, self.tables, self.cpu_tables, self.pool, self.cpu_pool)
+        if self.pending_copies:
+            moved = {d for d, _ in pairs}
+            source = {d: s for s, d in self.pending_copies if d in moved}
+            self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in moved]
+            pairs = [(source.get(d, d), c) for d, c in pairs]
+        return pairs
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Bring swapped sequences back into fresh device blocks; returns (cpu, device) pairs."""
+        return self._move(seqs, self.cpu_tables, self.tables, self.cpu_pool, self.pool)
+
+    @staticmethod
+    def _move(seqs, src_tables, dst_tables, src_pool: BlockPool, dst_pool: BlockPool) -> list[tuple[int, int]]:
+        mapping: dict[int, Block] = {}
+        for seq in seqs:
+            src = src_tables.pop(seq.seq_id)
+            dst = []
+            for b in src:
+                target = mapping.get(b.block_id)
+                if target is None:
+                    (target,) = dst_pool.allocate(1)
+                    mapping[b.block_id] = target
+                else:
+                    dst_pool.touch(target)
+                dst.append(target)
+            for b in reversed(src):
+                src_pool.release(b)
+            dst_tables[seq.seq_id] = dst
+        return [(src_id, dst.block_id) for src_id, dst in mapping.items()]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
+        for b in self._copy_sources:
+            self.pool.release(b)
+        self._copy_sources = []
         return copies
 
     def record_prefix_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
@@ -167,14 +245,19 @@ class BlockManager:
 
     # ---- invariants (tests call this after every step) -----------------------------------------
     def check_invariants(self) -> None:
-        refs: dict[int, int] = {}
-        for table in self.tables.values():
-            for b in table:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        for b in self.pool.blocks:
-            expected = refs.get(b.block_id, 0)
-            assert b.ref_cnt == expected, f"{b!r}: ref_cnt {b.ref_cnt} != {expected} table references"
-            assert self.pool.is_free(b) == (expected == 0), f"{b!r}: free={self.pool.is_free(b)} with {expected} refs"
+        for pool, tables in ((self.pool, self.tables), (self.cpu_pool, self.cpu_tables)):
+            if pool is None:
+                assert not tables
+                continue
+            refs: dict[int, int] = {}
+            for table in tables.values():
+                for b in table:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+            for b in pool.blocks:
+                expected = refs.get(b.block_id, 0)
+                assert b.ref_cnt == expected, f"{b!r}: ref_cnt {b.ref_cnt} != {expected} table references"
+                assert pool.is_free(b) == (expected == 0), f"{b!r}: free={pool.is_free(b)} with {expected} refs"
+        assert not set(self.tables) & set(self.cpu_tables), "a sequence is both resident and swapped"
         for h, b in self.pool.cached_blocks().items():
             assert b.block_hash == h, f"{b!r} cached under a hash it does not carry"
             assert b.token_ids is not None and len(b.token_ids) == self.block_size, f"{b!r} cached while not full"

@@ -117,9 +117,11 @@ class LLMEngine:
                 f"the KV cache holds {num_blocks} blocks of {args.block_size} tokens = "
                 f"{num_blocks * args.block_size} tokens, fewer than --max-model-len {self.max_model_len}: "
                 "give it more memory (--kv-cache-memory / --gpu-memory-utilization) or lower --max-model-len")
+        num_cpu_blocks = int(args.swap_space * 2**30 // per_block)
         self.kv_cache = KVCache(config.num_hidden_layers, num_blocks, args.block_size, kv_heads, head_dim,
-                                self.dtype, self.device, self.backend)
-        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+                                self.dtype, self.device, self.backend, num_cpu_blocks)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching,
+                                          num_cpu_blocks=num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.backend, self.device)
@@ -198,7 +200,7 @@ class LLMEngine:
         return list(self.tokenizer(prompt).input_ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         if isinstance(prompt, str):
@@ -230,7 +232,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         group = SequenceGroup(request_id, text, ids, params,
                               RequestMetrics(arrival_time if arrival_time is not None else time.time()),
-                              priority=priority, seed=seed)
+                              priority=priority, seed=seed, cache_salt=(cache_salt or "").encode())
         init_offsets(group.seqs[0])
         self.requests[request_id] = group
         self.scheduler.add(group)
@@ -267,7 +269,7 @@ class LLMEngine:
             seq = s.seq
             samples = s.samples
             seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.commit(seq)
+            self.block_manager.commit(seq, s.group.cache_salt)
             if samples:
                 sampling.append((s, seq))
         rows: list[SamplingRow] = []
@@ -387,8 +389,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), num_swapped=0,
-            kv_cache_usage=bm.usage(), cpu_cache_usage=0.0,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped), kv_cache_usage=bm.usage(), cpu_cache_usage=bm.cpu_usage(),
             num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
             fragmentation=bm.fragmentation(),
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,

@@ -48,6 +48,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> torch.Tensor:
         """Runs one step; returns float32 logits ``[num sampling sequences, vocab]`` in schedule order."""
+        # the order the block manager's bookkeeping assumes: a block given up by a swap-out may be a
+        # swap-in or copy-on-write target of the same step, and a swapped-in block may be a CoW source
+        self.kv_cache.swap_out(sched.blocks_to_swap_out)
+        self.kv_cache.swap_in(sched.blocks_to_swap_in)
         self.kv_cache.copy_blocks(sched.blocks_to_copy)
         input_ids, positions, meta, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)

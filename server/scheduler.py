@@ -42,8 +42,12 @@ class ScheduledSequence:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu), done first
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, device), done second
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # copy-on-write, done third
     preempted: list[SequenceGroup] = field(default_factory=list)
+    swapped_out: list[SequenceGroup] = field(default_factory=list)
+    swapped_in: list[SequenceGroup] = field(default_factory=list)
     admitted: list[SequenceGroup] = field(default_factory=list)
 
     @property
@@ -64,6 +68,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.waiting: list[SequenceGroup] = []   # sorted by sort_key
         self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []   # sorted by sort_key; served before new admissions
         self.num_preemptions = 0
 
     # ---- queues --------------------------------------------------------------------------------
@@ -74,7 +79,7 @@ class Scheduler:
 
     def abort(self, group: SequenceGroup) -> None:
         """Drop a request wherever it is and free its blocks now."""
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.running, self.swapped):
             if group in queue:
                 queue.remove(group)
         for seq in group.seqs:
@@ -99,13 +104,15 @@ class Scheduler:
         return sum(len(g.unfinished_seqs()) for g in self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ---- the step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        queue = sorted(self.running, key=lambda g: g.sort_key)
+        # decodes first, then running prompts' next chunks: a long prompt must not stall token streams
+        by_urgency = sorted(self.running, key=lambda g: g.sort_key)
+        queue = [g for g in by_urgency if _decoding(g)] + [g for g in by_urgency if not _decoding(g)]
         kept: list[SequenceGroup] = []
         while queue:
             group = queue.pop(0)
@@ -116,7 +123,9 @@ class Scheduler:
                 if num_new <= 0:
                     continue
                 while not self.bm.allocate(seq, seq.num_computed_tokens + num_new):
-                    victim = queue.pop() if queue else group
+                    victim = max(queue, key=lambda g: g.sort_key) if queue else group
+                    if victim is not group:
+                        queue.remove(victim)
                     self._preempt(victim, out)
                     if victim is group:
                         preempted_self = True
@@ -132,9 +141,34 @@ class Scheduler:
             out.scheduled.extend(picked)
         self.running = kept
         if not out.preempted:
-            self._admit(out, budget)
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                self._admit(out, budget)
         out.blocks_to_copy = self.bm.take_pending_copies()
         return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        num_seqs = self.num_running_seqs
+        while self.swapped and budget > 0:
+            group = self.swapped[0]
+            seqs = group.unfinished_seqs()
+            if num_seqs + len(seqs) > self.max_num_seqs or len(seqs) > budget:
+                break
+            if not self.bm.can_swap_in(seqs, watermark=bool(self.running)):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(self.bm.swap_in(seqs))
+            out.swapped_in.append(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+                num_new = min(seq.num_uncomputed_tokens, budget)
+                if not self.bm.allocate(seq, seq.num_computed_tokens + num_new):
+                    raise AssertionError("can_swap_in reserved a block per sequence")
+                out.scheduled.append(ScheduledSequence(group, seq, num_new))
+                budget -= num_new
+            self.running.append(group)
+            num_seqs += len(seqs)
+        return budget
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         num_seqs = self.num_running_seqs
@@ -147,12 +181,13 @@ class Scheduler:
             hits: list[int] = []
             fits = True
             for seq in seqs:
-                cached = self.bm.match_prefix(seq) if seq.num_computed_tokens == 0 else []
+                cached = self.bm.match_prefix(seq, group.cache_salt) if seq.num_computed_tokens == 0 else []
                 num_cached = len(cached) * self.bm.block_size
                 num_new = min(seq.num_tokens - max(num_cached, seq.num_computed_tokens), budget)
                 if num_new <= 0:
-                    fits = False
-                    break
+                    # budget spent on this request's earlier samples: the rest join now and are computed
+                    # in later steps (demanding them all in one step could never fit a small budget)
+                    continue
                 # keep a little headroom for running decodes, unless nothing runs (it could never fill)
                 watermark = bool(self.running) or bool(out.admitted)
                 if not self.bm.allocate(seq, max(num_cached, seq.num_computed_tokens) + num_new, cached, watermark):
@@ -181,12 +216,27 @@ class Scheduler:
             num_seqs += len(seqs)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        group.metrics.num_preemptions += 1
+        out.preempted.append(group)
+        seqs = group.unfinished_seqs()
+        # vLLM's default: swap groups of several sequences (their shared blocks would cost a lot to
+        # recompute), recompute single ones; recompute whenever swap space is short
+        mode = self.preemption_mode or ("swap" if len(seqs) > 1 else "recompute")
+        if mode == "swap" and all(self.bm.has_table(s) for s in seqs) and self.bm.can_swap_out(seqs):
+            out.blocks_to_swap_out.extend(self.bm.swap_out(seqs))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=lambda g: g.sort_key)
+            out.swapped_out.append(group)
+            return
         # recompute: drop the KV, keep the tokens; the prompt + output so far are prefilled again later
         for seq in group.unfinished_seqs():
             self.bm.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, group, key=lambda g: g.sort_key)
-        self.num_preemptions += 1
-        group.metrics.num_preemptions += 1
-        out.preempted.append(group)
+
+
+def _decoding(group: SequenceGroup) -> bool:
+    return all(s.num_uncomputed_tokens <= 1 for s in group.unfinished_seqs())

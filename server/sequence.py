@@ -98,6 +98,7 @@ class SequenceGroup:
     metrics: RequestMetrics
     priority: int = 0                   # as in vLLM: lower value = served earlier
     seed: int = 0                       # the request's seed, or one drawn by the engine
+    cache_salt: bytes = b""             # isolates this request's prefix-cache entries (e.g. per tenant)
     seqs: list[Sequence] = field(default_factory=list)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_order))
     num_cached_tokens: int = 0
