@@ -70,7 +70,7 @@ def _pod_status(pod: dict[str, Any]) -> str:
         state = cs.get("state") or {}
         if "waiting" in state and state["waiting"].get("reason"):
             reason = state["waiting"]["reason"]
-        elif "terminated" in state and reason in ("Running", "Pending"):
+        elif "terminated" in state and reason in ("Running", "Pending", "Succeeded", "Failed"):
             reason = state["terminated"].get("reason") or "Error"
     return reason
 
