@@ -99,7 +99,6 @@ def _validate_workload(obj: dict[str, Any]) -> list[FieldError]:
 def default_and_validate(storage: str, obj: dict[str, Any], creating: bool) -> list[FieldError]:
     """Apply built-in defaults in place and return validation errors (empty when valid)."""
     meta = obj["metadata"]
-    spec = obj.get("spec")
     if storage == "namespaces":
         obj.setdefault("spec", {}).setdefault("finalizers", ["kubernetes"])
         obj.setdefault("status", {}).setdefault("phase", "Active")
@@ -142,9 +141,6 @@ def default_and_validate(storage: str, obj: dict[str, Any], creating: bool) -> l
         data = obj.setdefault("data", {})
         for k, v in string_data.items():
             data[k] = base64.b64encode(str(v).encode()).decode()
-    elif storage == "serviceaccounts" or storage == "configmaps":
-        pass
-    del spec
     return []
 
 
