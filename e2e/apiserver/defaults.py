@@ -167,7 +167,10 @@ def _pod_spec_without_mutable(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate_update(storage: str, old: dict[str, Any], new: dict[str, Any]) -> list[FieldError]:
-    """The immutability rules users most often trip over, with the API server's wording."""
+    """The immutability rules users most often trip over, with the API server's wording.
+
+    Allocated values an update leaves out (a Service's clusterIP) are carried over into ``new``.
+    """
     errors: list[FieldError] = []
     if storage in ("deployments.apps", "replicasets.apps", "statefulsets.apps"):
         before, after = (old.get("spec") or {}).get("selector"), (new.get("spec") or {}).get("selector")
@@ -187,7 +190,11 @@ def validate_update(storage: str, old: dict[str, Any], new: dict[str, Any]) -> l
                 "previously negative)"))
     elif storage == "services":
         before, after = (old.get("spec") or {}).get("clusterIP"), (new.get("spec") or {}).get("clusterIP")
-        if before and after != before:
+        if before and not after:
+            # An update that omits the allocated address keeps it, as the Service registry does.
+            new.setdefault("spec", {})["clusterIP"] = before
+            new["spec"]["clusterIPs"] = list((old.get("spec") or {}).get("clusterIPs") or [before])
+        elif before and after != before:
             errors.append(FieldError("FieldValueInvalid", "spec.clusterIPs[0]",
                                      f"Invalid value: {[after]!r}: may not change once set"))
     elif storage in ("configmaps", "secrets") and old.get("immutable"):
