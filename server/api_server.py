@@ -647,6 +647,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>` dumps every thread's stack
     try:
         engine_args = EngineArgs.from_cli_args(args)
     except ConfigError as exc:

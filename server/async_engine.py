@@ -257,7 +257,15 @@ class AsyncEngine:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return True
+                break
+        if not self.engine.has_unfinished_requests():
+            # No step will follow to refresh the gauges (e.g. the last request was just aborted).
+            self._refresh_stats()
+        return True
+
+    def _refresh_stats(self) -> None:
+        self.last_stats = self._safe_stats()
+        self._waiting_since_stats = 0
 
     def _run(self) -> None:
         try:
@@ -269,8 +277,7 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 self.steps += 1
                 now = time.time()
-                self.last_stats = self._safe_stats()
-                self._waiting_since_stats = 0
+                self._refresh_stats()
                 if self.observer is not None:
                     try:
                         self.observer.on_step(outputs, self.last_stats, now)

@@ -109,8 +109,9 @@ class ServerMetrics:
                     q = out.metrics.queue_time
                     if q is not None:
                         self.queue_time.labels(m).observe(max(0.0, q))
-                    for o in out.outputs:
-                        self.request_success.labels(m, o.finish_reason or "stop").inc()
+                    # One count per request, as vLLM does; n samples of one request share its reason.
+                    reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
+                    self.request_success.labels(m, reason).inc()
 
     def on_abort(self, request_id: str) -> None:
         with self._lock:
