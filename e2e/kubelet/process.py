@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import os
 import signal
 import subprocess
@@ -11,21 +12,28 @@ from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 _live: dict[int, subprocess.Popen[bytes]] = {}
+try:
+    # Resolved once in the parent: the child must not dlopen between fork and exec (other threads may
+    # have held the loader lock when we forked).
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     # Runs in the child: if the harness dies (even by SIGKILL) the kernel kills the pod process too.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:   # the harness died before prctl took effect
+        os._exit(1)
 
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str, log_file: Path) -> subprocess.Popen[bytes]:
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as out:
         proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=functools.partial(_die_with_parent, os.getpid()))
     _live[proc.pid] = proc
     return proc
 
