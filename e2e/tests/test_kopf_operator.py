@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import kopf
 import yaml
 from kopf.testing import KopfRunner
 
@@ -20,7 +21,8 @@ def _widget(size: int) -> str:
 def test_kopf_operator_lifecycle(cluster, namespace, widget_crd, monkeypatch):
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
     args = ["run", "--standalone", "--namespace", namespace, "--verbose", str(OPERATOR)]
-    with KopfRunner(args, timeout=60) as runner:
+    # A fresh registry: handlers other tests imported into kopf's default one must not run here.
+    with KopfRunner(args, timeout=60, registry=kopf.OperatorRegistry()) as runner:
         cluster.kubectl("apply", "-f", "-", stdin=_widget(3), namespace=namespace)
 
         def ready():
