@@ -94,15 +94,5 @@ class BlockPool:
         del self._cached[block.block_hash]
         block.block_hash = block.parent_hash = block.token_ids = None
 
-    def reset_prefix_cache(self) -> int:
-        """Forget every unreferenced cached block (e.g. after weights change); returns how many."""
-        dropped = 0
-        for block in list(self._free.values()):
-            if block.block_hash is not None:
-                self._uncache(block)
-                self._free.move_to_end(block.block_id, last=False)
-                dropped += 1
-        return dropped
-
     def cached_blocks(self) -> dict[bytes, Block]:
         return dict(self._cached)

@@ -14,6 +14,8 @@ import torch
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import select_backend
 
+from .beam_group import BeamGroup
+from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import ConfigError, EngineArgs
 from .detokenizer import detokenize_incrementally, init_offsets
@@ -127,6 +129,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.backend, self.device)
         self.requests: dict[str, SequenceGroup] = {}
         self._generators: dict[int, torch.Generator] = {}
+        self._beams: dict[str, BeamGroup] = {}
         self._seed_rng = random.Random(args.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -234,6 +237,12 @@ class LLMEngine:
                               RequestMetrics(arrival_time if arrival_time is not None else time.time()),
                               priority=priority, seed=seed, cache_salt=(cache_salt or "").encode())
         init_offsets(group.seqs[0])
+        if params.use_beam_search:
+            limit = self.max_model_len - len(ids)
+            search = BeamSearch(params.best_of, params.length_penalty, params.early_stopping,
+                                () if params.ignore_eos else self.eos_token_ids,
+                                max_new_tokens=min(max_tokens, limit) if max_tokens is not None else limit)
+            self._beams[request_id] = BeamGroup(group, search, self.block_manager)
         self.requests[request_id] = group
         self.scheduler.add(group)
 
@@ -243,6 +252,7 @@ class LLMEngine:
             return
         self.scheduler.abort(group)
         self._drop_generators(group)
+        self._beams.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -275,8 +285,17 @@ class LLMEngine:
         rows: list[SamplingRow] = []
         targets: list[tuple[SequenceGroup, Sequence]] = []
         row_logits: list[int] = []
+        now = time.time()
         for i, (s, seq) in enumerate(sampling):
             group = s.group
+            beams = self._beams.get(group.request_id)
+            if beams is not None:
+                if beams.offer(seq, logits[i]):
+                    self.generation_tokens_total += beams.advance()
+                    group.metrics.first_token_time = group.metrics.first_token_time or now
+                    group.metrics.last_token_time = now
+                    touched[group.request_id] = group
+                continue
             family = [seq]
             if seq.num_output_tokens == 0 and len(group.seqs) < group.params.best_of:
                 family += self._fork(group, seq)   # samples share the prompt's blocks from here on
@@ -307,10 +326,26 @@ class LLMEngine:
                 group.metrics.finished_time = now
                 self.requests.pop(group.request_id, None)
                 self._drop_generators(group)
-            out = self._make_output(group, new_counts)
+            beams = self._beams.get(group.request_id)
+            out = self._make_output(group, new_counts) if beams is None else self._beam_output(group, beams)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _beam_output(self, group: SequenceGroup, beams: BeamGroup) -> RequestOutput | None:
+        if beams.hypotheses is None:
+            return None   # beams are only ranked at the end
+        del self._beams[group.request_id]
+        completions = []
+        for i, hyp in enumerate(beams.hypotheses[:group.params.n]):
+            ended = bool(hyp.tokens) and hyp.tokens[-1] in beams.search.eos_token_ids
+            completions.append(CompletionOutput(
+                index=i, text=self.tokenizer.decode(hyp.tokens, skip_special_tokens=group.params.skip_special_tokens),
+                token_ids=list(hyp.tokens), cumulative_logprob=hyp.cum_logprob,
+                finish_reason="stop" if ended else "length"))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True,
+                             group.metrics, num_cached_tokens=group.num_cached_tokens,
+                             new_token_counts=[len(c.token_ids) for c in completions])
 
     def _fork(self, group: SequenceGroup, parent: Sequence) -> list[Sequence]:
         children = []

@@ -23,7 +23,7 @@ class SamplingParams:
     best_of: int | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    early_stopping: bool | str = False   # True, False or "never" (HF's meanings)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1            # -1 / 0 = off
@@ -105,10 +105,12 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 fail(f"{name} must be an integer between 0 and {MAX_LOGPROBS}, got {v!r}", name)
+        if self.early_stopping not in (True, False, "never"):
+            fail(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}", "early_stopping")
         if self.use_beam_search:
             if self.temperature != 0 and self.temperature != 1.0:
-                fail("beam search requires temperature 0", "temperature")
-            if self.best_of < 2 and self.n < 2:
-                pass  # width 1 beam search is greedy search; allowed
+                fail("beam search is deterministic: temperature must be 0 (or left at 1)", "temperature")
+            if self.best_of < 2:
+                fail("beam search needs a width (best_of, or n) of at least 2", "best_of")
         elif self.greedy and self.best_of > 1:
             fail("greedy sampling (temperature 0) with n or best_of > 1 would return identical samples", "n")

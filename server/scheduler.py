@@ -70,6 +70,8 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []   # sorted by sort_key; served before new admissions
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
 
     # ---- queues --------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -158,6 +160,7 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(self.bm.swap_in(seqs))
+            self.num_swap_ins += 1
             out.swapped_in.append(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
@@ -225,6 +228,7 @@ class Scheduler:
         mode = self.preemption_mode or ("swap" if len(seqs) > 1 else "recompute")
         if mode == "swap" and all(self.bm.has_table(s) for s in seqs) and self.bm.can_swap_out(seqs):
             out.blocks_to_swap_out.extend(self.bm.swap_out(seqs))
+            self.num_swap_outs += 1
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, group, key=lambda g: g.sort_key)

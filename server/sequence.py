@@ -112,18 +112,9 @@ class SequenceGroup:
         """Queue order: priority first, then arrival (preempted requests keep their place)."""
         return (self.priority, self.arrival_seq)
 
-    @property
-    def num_samples_wanted(self) -> int:
-        return self.params.best_of if not self.params.use_beam_search else max(self.params.best_of, self.params.n)
-
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
 
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
-
-    @property
-    def prefill_done(self) -> bool:
-        """True once the prompt was fully computed and the first token sampled (forks exist then)."""
-        return any(s.num_output_tokens > 0 for s in self.seqs)

@@ -58,16 +58,19 @@ def prompts(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(smollm2_path, prompts):
-    """HF greedy continuation and per-step logits for every prompt, one prompt at a time (no padding)."""
+def hf_model(smollm2_path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    """HF greedy continuation and per-step logits for every prompt, one prompt at a time (no padding)."""
     refs = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True,
                                  pad_token_id=2)
             tokens = out.sequences[0, len(p):].tolist()
@@ -75,9 +78,28 @@ def hf_reference(smollm2_path, prompts):
     return refs
 
 
-def run_engine(model_dir, prompts, **engine_kw) -> tuple[list[list[int]], LLMEngine]:
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, prompts):
+    return hf_greedy(hf_model, prompts)
+
+
+@pytest.fixture(scope="module")
+def shared_system_prompts(prompts):
+    """Eight requests: one 100-token system prompt, then different questions (slices of the text)."""
+    system = prompts[-1][:100]
+    tail = prompts[-1][100:]
+    return [system + tail[7 * i:7 * i + 5 + 3 * i] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def shared_reference(hf_model, shared_system_prompts):
+    return hf_greedy(hf_model, shared_system_prompts, 32)
+
+
+def run_engine(model_dir, prompts, new_tokens: int = NEW_TOKENS, **engine_kw) -> tuple[list[list[int]], LLMEngine]:
+    engine_kw.setdefault("kv_cache_memory", 384 << 20)   # ample for 16 requests, small enough to check fast
     engine = LLMEngine(EngineArgs(model=str(model_dir), device="cpu", dtype="float32", **engine_kw))
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
     results: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     step = 0
@@ -103,7 +125,7 @@ def assert_matches_hf(ours: list[list[int]], refs) -> None:
             if a != b:
                 top2 = torch.topk(logits[pos], 2).values
                 gap = float(top2[0] - top2[1])
-                assert gap < TIE_GAP, (f"prompt {i} (len {PROMPT_LENGTHS[i]}): token {pos} is {a}, HF says {b} "
+                assert gap < TIE_GAP, (f"prompt {i}: token {pos} is {a}, HF says {b} "
                                        f"with a top-2 logit gap of {gap:.2e} (not a tie)")
                 ties += 1
                 break
@@ -130,3 +152,69 @@ def test_greedy_matches_hf_with_chunked_prefill(smollm2_path, prompts, hf_refere
     # a 48-token budget splits every long prompt across many steps, mixed with running decodes
     ours, engine = run_engine(smollm2_path, prompts, block_size=16, max_num_batched_tokens=48)
     assert_matches_hf(ours, hf_reference)
+
+
+def test_greedy_matches_hf_with_prefix_cache_hits(smollm2_path, prompts, hf_reference):
+    # every prompt twice: the second copy arrives while or after the first ran and reuses its blocks
+    ours, engine = run_engine(smollm2_path, prompts + prompts, block_size=16, enable_prefix_caching=True)
+    assert engine.block_manager.prefix_hits > 0.3 * sum(map(len, prompts))
+    assert_matches_hf(ours, hf_reference + hf_reference)
+
+
+def test_greedy_matches_hf_with_shared_system_prompt(smollm2_path, shared_system_prompts, shared_reference):
+    ours, engine = run_engine(smollm2_path, shared_system_prompts, new_tokens=32, block_size=16,
+                              enable_prefix_caching=True)
+    # the first request computes the 96 full-block tokens of the system prompt; the other seven reuse them
+    assert engine.block_manager.prefix_hits >= 6 * 96
+    assert_matches_hf(ours, shared_reference)
+
+
+def test_greedy_matches_hf_with_swapping(smollm2_path, prompts, hf_reference):
+    ours, engine = run_engine(smollm2_path, prompts, block_size=16, num_gpu_blocks_override=40,
+                              max_model_len=640, preemption_mode="swap")
+    assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins > 0
+    assert_matches_hf(ours, hf_reference)
+
+
+def test_greedy_matches_hf_with_every_path_at_once(smollm2_path, prompts, hf_reference):
+    # prefix hits + chunked prefill + swap (with too little swap space, so recompute happens too)
+    ours, engine = run_engine(smollm2_path, prompts + prompts[8:], block_size=16, num_gpu_blocks_override=40,
+                              max_model_len=640, enable_prefix_caching=True, max_num_batched_tokens=96,
+                              preemption_mode="swap", swap_space=12 * 16 * 30 * 2 * 3 * 64 * 4 / 2**30)
+    s = engine.scheduler
+    assert s.num_swap_outs > 0 and s.num_preemptions > s.num_swap_outs, "both swap and recompute must happen"
+    assert engine.block_manager.prefix_hits > 0
+    assert_matches_hf(ours, hf_reference + hf_reference[8:])
+
+
+BEAM_CASES = [  # (prompt index, length_penalty, early_stopping)
+    (2, 1.0, False), (5, 1.0, True), (7, 0.6, False), (9, 1.5, True), (11, 1.0, "never"), (13, 0.6, True),
+]
+
+
+def test_beam_search_matches_hf(smollm2_path, prompts, hf_model):
+    """Width-4 beam search in the engine (beams forked and freed over shared, copy-on-write blocks, all
+    requests in one batch) returns HF's best beam."""
+    engine = LLMEngine(EngineArgs(model=str(smollm2_path), device="cpu", dtype="float32", block_size=16,
+                                  kv_cache_memory=256 << 20, max_model_len=1024))
+    for i, (p, lp, es) in enumerate(BEAM_CASES):
+        engine.add_request(f"b{i}", prompts[p], SamplingParams(use_beam_search=True, best_of=4, n=1, temperature=0,
+                                                               max_tokens=16, length_penalty=lp, early_stopping=es))
+    got: dict[str, list[int]] = {}
+    forks_seen = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] = out.outputs[0].token_ids
+        engine.block_manager.check_invariants()
+        forks_seen |= any(b.ref_cnt > 1 for b in engine.block_manager.pool.blocks)
+    assert forks_seen, "beams should share blocks"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    with torch.inference_mode():
+        for i, (p, lp, es) in enumerate(BEAM_CASES):
+            ids = torch.tensor([prompts[p]])
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, do_sample=False,
+                                    max_new_tokens=16, length_penalty=lp, early_stopping=es,
+                                    pad_token_id=2)[0, len(prompts[p]):].tolist()
+            if 2 in ref:
+                ref = ref[:ref.index(2) + 1]
+            assert got[f"b{i}"] == ref, f"case {BEAM_CASES[i]}: {got[f'b{i}']} != HF {ref}"
