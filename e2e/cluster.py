@@ -141,6 +141,7 @@ class LocalCluster:
                           pod_network=self.pod_network, workdir=self.workdir / "pods",
                           restart_backoff_s=self.restart_backoff_s, api_url=self.url)
         self.server.log_locator = kubelet.log_path
+        self.server.exec_locator = kubelet.exec_context
         manager = ControllerManager(self.api, node_name=self.node_name)
         for component in (manager, kubelet):
             await component.start()

@@ -50,7 +50,7 @@ class ClusterTarget:
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 60, stdin: str | None = None,
                 namespace: str | None = None) -> subprocess.CompletedProcess[str]:
-        argv = [kubectl_binary(), *args] + (["-n", namespace] if namespace else [])
+        argv = [kubectl_binary()] + (["-n", namespace] if namespace else []) + list(args)   # before any "--"
         result = subprocess.run(argv, env=self.env(), capture_output=True, text=True, timeout=timeout, input=stdin)
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n"
@@ -63,7 +63,7 @@ class ClusterTarget:
     @contextlib.contextmanager
     def kubectl_stream(self, *args: str, namespace: str | None = None) -> Iterator[subprocess.Popen[str]]:
         """A long-running kubectl (``get -w``, ``logs -f``); always ended on exit."""
-        argv = [kubectl_binary(), *args] + (["-n", namespace] if namespace else [])
+        argv = [kubectl_binary()] + (["-n", namespace] if namespace else []) + list(args)   # before any "--"
         proc = subprocess.Popen(argv, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:

@@ -70,7 +70,8 @@ def resource_list(registry: Registry, group: str, version: str) -> dict[str, Any
                               "verbs": ["get", "patch", "update"]})
         for extra in rt.extra_subresources:
             resources.append({"name": f"{rt.plural}/{extra}", "singularName": "", "namespaced": rt.namespaced,
-                              "kind": rt.kind, "verbs": ["get"] if extra == "log" else ["update"]})
+                              "kind": "PodExecOptions" if extra == "exec" else rt.kind,
+                              "verbs": {"log": ["get"], "exec": ["create", "get"]}.get(extra, ["update"])})
     return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}" if group else version,
             "resources": resources}
 

@@ -66,7 +66,7 @@ def builtin_types() -> list[ResourceType]:
         _b("", "v1", "services", "Service", short_names=["svc"], categories=["all"], status_subresource=True),
         _b("", "v1", "endpoints", "Endpoints", short_names=["ep"]),
         _b("", "v1", "pods", "Pod", short_names=["po"], categories=["all"], status_subresource=True,
-           extra_subresources=["log"]),
+           extra_subresources=["log", "exec"]),
         _b("", "v1", "events", "Event", short_names=["ev"], storage="events"),
         _b("", "v1", "serviceaccounts", "ServiceAccount", short_names=["sa"]),
         _b("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", short_names=["pvc"], status_subresource=True),

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import yaml
 from aiohttp import web
 
-from . import discovery, protobuf, tables
+from . import discovery, podexec as pod_exec, protobuf, tables
 from .api import Api, WriteOptions
 from .errors import ApiError, bad_request, method_not_allowed
 from .resources import ResourceType
@@ -53,6 +53,7 @@ class ApiServer:
     def __init__(self, api: Api) -> None:
         self.api = api
         self.log_locator: LogLocator | None = None
+        self.exec_locator: pod_exec.ExecLocator | None = None
         self.address = "127.0.0.1:0"
         self.app = web.Application(client_max_size=64 * 1024 * 1024)
         self.app.router.add_route("*", "/{tail:.*}", self.handle)
@@ -122,10 +123,10 @@ class ApiServer:
         rt = self.api.resource(group, version, rest[0])
         name = rest[1] if len(rest) > 1 else None
         sub = rest[2] if len(rest) > 2 else None
-        if sub is not None and sub not in ("status", "scale", "log", "finalize"):
+        if sub is not None and sub not in ("status", "scale", "log", "finalize", "exec"):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         if (sub == "status" and not rt.status_subresource) or (sub == "scale" and rt.scale is None) or (
-                sub == "log" and rt.storage_key != "pods") or (sub == "finalize" and rt.storage_key != "namespaces"):
+                sub in ("log", "exec") and rt.storage_key != "pods") or (sub == "finalize" and rt.storage_key != "namespaces"):
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         if rt.namespaced and name is not None and namespace is None:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
@@ -162,6 +163,13 @@ class ApiServer:
         method = request.method
         api = self.api
         table = tables.wants_table(request.headers.get("Accept"))
+        if sub == "exec":
+            if method not in ("GET", "POST"):
+                raise method_not_allowed()
+            from ..kubelet.environment import resolve_command
+
+            return await pod_exec.serve(request, api.get(rt, namespace, name or ""), self.exec_locator,
+                                        resolve_command)
         if method == "GET":
             if sub == "log":
                 return await self._logs(request, rt, namespace, name)

@@ -173,6 +173,15 @@ class Kubelet:
                 return str(path) if path is not None else None
         return None
 
+    def exec_context(self, namespace: str, name: str, container: str) -> tuple[dict[str, str], str] | None:
+        """(env, cwd) of a running container, for ``kubectl exec``; None when it is not running."""
+        for rt in self.pods.values():
+            if rt.namespace == namespace and rt.name == name and container in rt.workers:
+                worker = rt.workers[container]
+                if "running" in worker.state:
+                    return dict(worker.env), worker.cwd
+        return None
+
     # --- sync --------------------------------------------------------------------------
 
     async def _loop(self) -> None:
