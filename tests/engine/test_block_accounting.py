@@ -64,7 +64,9 @@ def test_blocks_are_never_lost_or_double_used(requests, block_size, extra_blocks
 
 
 def test_swap_and_fork_paths_are_exercised():
-    """The property test above is only meaningful if its runs reach swaps, forks and CoW: show one does."""
-    reqs = [(40, 30, 0, False, 0, 0, 3), (50, 30, 0, False, 0, 1, 3), (30, 30, 1, False, 0, 2, 1)]
+    """The property test above is only meaningful if its runs reach swaps, forks, CoW and prefix-cache
+    eviction: show one does."""
+    reqs = [(40, 30, 0, False, 0, 0, 3), (50, 30, 0, False, 0, 1, 3), (30, 30, 1, False, 0, 0, 1)]
     sim = run(reqs, 8, 2, 8, 256, True, 64, None)
     assert sim.forks >= 4 and sim.swapped_out >= 1 and sim.swapped_in >= 1
+    assert sim.bm.pool.num_evictions > 0 and sim.bm.prefix_hits > 0
