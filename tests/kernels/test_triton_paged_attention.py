@@ -204,9 +204,17 @@ def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch):
         paged_attention(batch.query, batch.kv_cache, batch.meta, 0.1)
 
 
-def test_split_heuristic_stays_off_the_cpu_and_short_contexts():
-    cpu = torch.device("cpu")
-    assert triton_paged_attention.choose_num_splits(1, 1, 1, 100_000, cpu) == 1
+def test_split_heuristic(monkeypatch):
+    choose = triton_paged_attention.choose_num_splits
+    assert choose(1, 1, 1, 100_000, torch.device("cpu")) == 1  # never on the interpreter
+    monkeypatch.setattr(triton_paged_attention, "_num_sms", lambda index: 132)  # an H100/H200
+    gpu = torch.device("cuda", 0)
+    assert choose(1, 8, 1, 4096, gpu) == 16       # one long decode: as many splits as allowed
+    assert choose(1, 8, 1, 600, gpu) == 2         # but each split keeps >= 256 tokens
+    assert choose(32, 8, 1, 4096, gpu) == 2       # 256 programs: ~4 per SM wants 2 splits
+    assert choose(256, 8, 1, 4096, gpu) == 1      # the batch alone fills the GPU
+    assert choose(1, 8, 1, 300, gpu) == 1         # short context: nothing to split
+    assert choose(1, 8, 64, 4096, gpu) == 1       # prefill-heavy step
 
 
 def test_each_new_metadata_is_validated_even_after_a_cached_plan():
