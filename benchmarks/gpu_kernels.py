@@ -14,7 +14,8 @@ Sections:
      caches to defeat L2), and its share of the device peak (4.8 TB/s on an H200);
   3. end to end: engine tokens/s (``pagedmodel.server.llm.LLM``) on SmolLM2-135M in bf16 against
      HF ``generate`` on the same device and prompts, plus how far their greedy tokens agree.
-It prints a table and writes everything to JSON; the exit status is 1 if a correctness case fails.
+It prints a table, writes everything to JSON and the tables as Markdown (same name, ``.md``) for
+docs/benchmarks.md; the exit status is 1 if a correctness case fails.
 ``--dry-run`` runs all three sections on CPU under ``TRITON_INTERPRET=1`` with tiny shapes, so CI
 keeps the script from rotting (tests/kernels/test_gpu_kernels_dry_run.py).
 """
@@ -414,6 +415,41 @@ def print_report(results: dict[str, Any]) -> None:
                 print(f"  {key:<22} {value:.1f}" if isinstance(value, float) else f"  {key:<22} {value}")
 
 
+def markdown_report(results: dict[str, Any]) -> str:
+    """The tables as Markdown, headed by date and device, ready for docs/benchmarks.md."""
+    lines = [f"### GPU kernels: {results['device']}, {results['date']}", "",
+             f"torch {results['torch']}, triton {results['triton']}"
+             + (" (DRY RUN on CPU: not performance)" if results["dry_run"] else ""), ""]
+    failed = [r["name"] for r in results["correctness"] if not r["ok"]]
+    lines += [f"Correctness vs the torch path: {len(results['correctness']) - len(failed)}/"
+              f"{len(results['correctness'])} cases pass" + (f"; FAILED: {', '.join(failed)}" if failed else "."), ""]
+    lines += [f"Decode attention, {results['bandwidth_dtype']}, 16-token blocks (kernel us: CUDA-graph replay, "
+              "L2 defeated; GB/s from it; call us: eager incl. host):", "",
+              "| layout | batch | context | splits | kernel us | call us | torch us | GB/s | % peak | vs torch |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results["decode_bandwidth"]:
+        if "error" in r:
+            lines.append(f"| {r['layout']} | {r['batch']} | {r['context']} | error: {r['error']} ||||||")
+        else:
+            lines.append(f"| {r['layout']} | {r['batch']} | {r['context']} | {r['num_splits']} | {r['kernel_us']:.1f} "
+                         f"| {r['call_us']:.1f} | {r['torch_us']:.1f} | {r['gbps']:.0f} | {r['peak_pct']:.1f} % "
+                         f"| {r['speedup_vs_torch']:.2f}x |")
+    e2e = results["e2e"]
+    lines.append("")
+    if "skipped" in e2e:
+        lines.append(f"End to end: skipped ({e2e['skipped']}).")
+    elif "engine_tokens_per_s" in e2e:
+        hf = e2e.get("hf_tokens_per_s")
+        agree = e2e.get("greedy_agreement", {})
+        lines.append(f"End to end ({e2e['dtype']}, {e2e['prompts']} prompts x {e2e['max_tokens']} tokens, greedy): "
+                     f"engine {e2e['engine_tokens_per_s']:.0f} tok/s"
+                     + (f", HF generate {hf:.0f} tok/s ({e2e['speedup_vs_hf']:.2f}x)" if hf else "")
+                     + (f"; identical greedy outputs {agree['identical']}/{agree['of']}" if agree else "") + ".")
+    else:
+        lines.append(f"End to end: failed ({e2e.get('engine_error')}).")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     dry = ARGS.dry_run
     if not dry and not torch.cuda.is_available():
@@ -437,7 +473,9 @@ def main() -> int:
     results["seconds"] = time.perf_counter() - started
     print_report(results)
     Path(ARGS.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"\nwrote {ARGS.out} ({results['seconds']:.0f} s)")
+    markdown = Path(ARGS.out).with_suffix(".md")
+    markdown.write_text(markdown_report(results))
+    print(f"\nwrote {ARGS.out} and {markdown} ({results['seconds']:.0f} s)")
     return 0 if all(r["ok"] for r in results["correctness"]) else 1
 
 

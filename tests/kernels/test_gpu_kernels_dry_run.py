@@ -38,3 +38,6 @@ def test_dry_run_runs_every_section(tmp_path, tiny_llama_dir):
     assert e2e["engine_tokens_per_s"] > 0 and e2e["hf_tokens_per_s"] > 0
     assert e2e["greedy_agreement"]["of"] == e2e["prompts"]
     assert "decode attention bandwidth" in proc.stdout and "PASS" in proc.stdout
+    markdown = out.with_suffix(".md").read_text()
+    assert "| layout | batch | context |" in markdown and markdown.count("| tiny") == 4
+    assert "cases pass." in markdown and "identical greedy outputs" in markdown
