@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import dataclasses
 import hmac
 import json
 import logging
@@ -249,6 +248,9 @@ class OpenAIServing:
                 final[idx] = out
         except EngineDeadError as exc:
             raise APIError(500, f"request failed: {exc}", code="engine_error") from None
+        except ClientDisconnected:
+            # Nobody reads this reply; 499 (nginx's "client closed request") keeps it out of 5xx stats.
+            raise APIError(499, "client disconnected", code="client_disconnected") from None
         finally:
             watcher.cancel()
             self.async_engine.abort(group)   # no-op when everything finished
@@ -340,6 +342,9 @@ async def _guarded_stream(serving: OpenAIServing, group: RequestGroup, body: Asy
             yield chunk
     except EngineDeadError as exc:
         yield _sse(APIError(500, f"request failed: {exc}", code="engine_error").body())
+    except Exception:   # headers are sent: report in-band, keep the traceback in our log
+        logger.exception("error while streaming a response")
+        yield _sse(APIError(500, "internal server error", code="internal_error").body())
     finally:
         # A client that went away cancels us at the await above; this frees its KV blocks before the next step.
         serving.async_engine.abort(group)

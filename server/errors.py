@@ -44,15 +44,18 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.err_type = err_type or _TYPE_BY_STATUS.get(self.status, HTTPStatus(self.status).phrase.replace(" ", "") + "Error")
+        self.err_type = err_type or _TYPE_BY_STATUS.get(self.status) or _type_for(self.status)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.param, self.code)
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def _type_for(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    except ValueError:   # non-standard codes such as 499
+        return "ClientError" if 400 <= status < 500 else "APIError"
 
 
 def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
@@ -103,7 +106,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(exc.status_code).phrase
+        detail = exc.detail if isinstance(exc.detail, str) and exc.detail else f"HTTP {exc.status_code}"
         return error_response(APIError(exc.status_code, detail, headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
