@@ -664,8 +664,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from pagedmodel.server.engine import LLMEngine
     try:
+        from pagedmodel.server.model_store import ModelNotAvailableError
+    except ImportError:
+        ModelNotAvailableError = ConfigError  # type: ignore[misc,assignment]  # no model store: nothing extra to catch
+    try:
         engine = LLMEngine.from_engine_args(engine_args)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, ModelNotAvailableError, OSError, ValueError) as exc:
         print(f"pagedmodel serve: error: cannot load the model: {exc}", file=sys.stderr)
         return 2
     config = ServerConfig(served_model_name=engine.model_name,

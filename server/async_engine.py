@@ -189,7 +189,13 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason or "engine is not running")
         group = RequestGroup(subs, asyncio.get_running_loop())
         self._commands.put(_Add(group, priority, time.time() if arrival_time is None else arrival_time))
-        await group.accepted
+        try:
+            await group.accepted
+        except asyncio.CancelledError:
+            # The handler went away while the add was queued: the abort queues behind the add, so the
+            # engine drops the request right after accepting it instead of running it unobserved.
+            self.abort(group)
+            raise
         return group
 
     def abort(self, group: RequestGroup) -> None:
