@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from . import crds, defaults, events, patch as patches, schema as schemas
+from . import builtin_schema, crds, defaults, events, patch as patches, schema as schemas
 from .errors import ApiError, FieldError, already_exists, bad_request, conflict, invalid, not_found
 from .patch import APPLY_PATCH, JSON_PATCH, MERGE_PATCH, STRATEGIC_MERGE_PATCH
 from .resources import Registry, ResourceType
@@ -220,16 +220,21 @@ class Api:
         """Defaulting, pruning and validation; raises 400/422 the way the API server does."""
         name = obj["metadata"].get("name", "")
         errors = defaults.validate_name(rt.storage_key, name) if old is None else []
+        unknown: list[str] = []
         if rt.schema is not None:
-            unknown: list[str] = []
             schemas.prune(rt.schema, obj, "", unknown, top=True)
+        elif rt.storage_key == "events":
+            unknown = builtin_schema.prune_unknown("", "v1", "Event", obj)
+        else:
+            unknown = builtin_schema.prune_unknown(rt.group, rt.version, rt.kind, obj)
+        if unknown and opts.field_validation == "Strict":
+            listing = ", ".join(f'unknown field "{u}"' for u in unknown)
+            raise bad_request(f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: '
+                              f"strict decoding error: {listing}")
+        if unknown and opts.field_validation != "Ignore":
+            opts.warnings.extend(f'unknown field "{u}"' for u in unknown)
+        if rt.schema is not None:
             meta = obj.get("metadata") or {}
-            if unknown and opts.field_validation == "Strict":
-                listing = ", ".join(f'unknown field "{u}"' for u in unknown)
-                raise bad_request(f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: '
-                                  f"strict decoding error: {listing}")
-            if unknown and opts.field_validation != "Ignore":
-                opts.warnings.extend(f'unknown field "{u}"' for u in unknown)
             schemas.apply_defaults(rt.schema, obj)
             obj["metadata"] = meta
             errors += schemas.validate({k: v for k, v in rt.schema.items() if k != "required"} |

@@ -334,3 +334,15 @@ def test_immutable_fields(api_client, namespace):
                           headers={"Content-Type": "application/merge-patch+json"},
                           body={"spec": {"selector": {"matchLabels": {"app": "sel", "v": "1"}}}})
     assert status == 422 and "spec.selector" in body["message"] and "field is immutable" in body["message"]
+
+
+def test_unknown_fields_of_builtin_kinds_are_dropped_with_a_warning(api_client, namespace):
+    body = _cm("typo", a="1")
+    body["metadata"]["labelz"] = {"x": "y"}
+    body["dataa"] = {"b": "2"}
+    status, created, headers = raw(api_client, "POST", f"/api/v1/namespaces/{namespace}/configmaps", body=body)
+    assert status == 201 and "dataa" not in created and "labelz" not in created["metadata"]
+    assert 'unknown field \\"dataa\\"' in headers["Warning"] and 'unknown field \\"metadata.labelz\\"' in headers["Warning"]
+    status, err, _ = raw(api_client, "POST", f"/api/v1/namespaces/{namespace}/configmaps",
+                         query={"fieldValidation": "Strict"}, body=dict(body, metadata={"name": "strict"}))
+    assert status == 400 and 'strict decoding error: unknown field "dataa"' in err["message"]

@@ -40,6 +40,20 @@ def test_apply_creates_then_updates_with_strategic_merge(cluster, namespace):
     assert "kubectl.kubernetes.io/last-applied-configuration" in live["metadata"]["annotations"]
 
 
+def test_apply_rejects_unknown_fields_of_builtin_kinds(cluster, namespace):
+    manifest = yaml.safe_load(_deployment())
+    manifest["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    rejected = cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(manifest), namespace=namespace, check=False)
+    assert rejected.returncode != 0
+    assert 'strict decoding error: unknown field "spec.template.spec.containers[0].imagePullPolicyy"' \
+        in rejected.stderr
+    lenient = cluster.kubectl("apply", "--validate=false", "-f", "-", stdin=yaml.safe_dump(manifest),
+                              namespace=namespace)
+    assert "deployment.apps/app created" in lenient.stdout
+    stored = cluster.kubectl_json("get", "deployment", "app", namespace=namespace)
+    assert "imagePullPolicyy" not in stored["spec"]["template"]["spec"]["containers"][0]
+
+
 def test_get_prints_tables_and_yaml(cluster, namespace):
     cluster.kubectl("apply", "-f", "-", stdin=_deployment(), namespace=namespace)
     table = cluster.kubectl("get", "deployments", namespace=namespace).stdout.splitlines()
