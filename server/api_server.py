@@ -302,11 +302,12 @@ async def create_completion(serving: OpenAIServing, request: Request) -> Respons
     params, tokenized = await _prepare_completion(serving, req)
     request_id = random_id("cmpl")
     group = await serving.submit(serving.build_subs(request_id, [ids for ids, _ in tokenized], params), req.priority)
+    request.state.log_info = f"id={request_id}"   # completed with token counts once the reply is done
     created = int(time.time())
     if req.stream:
         return StreamingResponse(_stream_completion(serving, request, req, group, request_id, created, tokenized,
                                                     params), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers=_stream_headers(request_id))
 
     final = await serving.collect(group, request)
     top_n = params.logprobs or 0
@@ -327,7 +328,12 @@ async def create_completion(serving: OpenAIServing, request: Request) -> Respons
     serving.set_log_info(request, request_id, prompt_tokens, completion_tokens,
                          ",".join(sorted({c.finish_reason or "-" for c in choices})))
     resp = CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices, usage=usage)
-    return Response(resp.model_dump_json(), media_type="application/json")
+    return Response(resp.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
+
+
+def _stream_headers(request_id: str) -> dict[str, str]:
+    # no-cache / X-Accel-Buffering: proxies (nginx, our router) must pass SSE chunks through unbuffered
+    return {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
 
 
 def _sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -454,11 +460,11 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
     serving.check_prompt(ids, params, param="messages")
     request_id = random_id("chatcmpl")
     group = await serving.submit(serving.build_subs(request_id, [ids], params), req.priority)
+    request.state.log_info = f"id={request_id}"
     created = int(time.time())
     if req.stream:
         return StreamingResponse(_stream_chat(serving, request, req, group, request_id, created, len(ids), params),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 media_type="text/event-stream", headers=_stream_headers(request_id))
 
     final = await serving.collect(group, request)
     top_n = req.top_logprobs or 0
@@ -475,7 +481,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
                          ",".join(sorted({c.finish_reason or "-" for c in choices})))
     resp = ChatCompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
                                   usage=usage)
-    return Response(resp.model_dump_json(), media_type="application/json")
+    return Response(resp.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
 
 
 def _stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionRequest, group: RequestGroup,
@@ -529,17 +535,26 @@ class RequestLogMiddleware:
             return
         start = time.perf_counter()
         status = [0]
+        logged = [False]
+
+        def log(note: str = "") -> None:
+            logged[0] = True
+            info = scope.get("state", {}).get("log_info", "")
+            client = scope.get("client") or ("-", 0)
+            logger.info("%s %s %s %d %.1fms %s%s", client[0], scope["method"], scope["path"], status[0],
+                        (time.perf_counter() - start) * 1000, info, note)
 
         async def logging_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                info = scope.get("state", {}).get("log_info", "")
-                client = scope.get("client") or ("-", 0)
-                logger.info("%s %s %s %d %.1fms %s", client[0], scope["method"], scope["path"], status[0],
-                            (time.perf_counter() - start) * 1000, info)
-        await self.app(scope, receive, logging_send)
+                log()
+        try:
+            await self.app(scope, receive, logging_send)
+        finally:
+            if not logged[0]:   # the body never completed: the client went away mid-stream
+                log(" (client disconnected)")
 
 
 def build_app(engine: Any, config: ServerConfig) -> FastAPI:

@@ -168,4 +168,22 @@ def test_request_log_has_one_line_per_request(api_server: ServerProcess, client:
     # The line is written once the body is fully sent, which can trail the client's read slightly.
     lines = wait_until(lambda: [ln for ln in api_server.log().splitlines() if r.id in ln], timeout=5)
     assert len(lines) == 1
-    assert "POST /v1/completions 200" in lines[0] and "completion_tokens=" in lines[0]
+    assert "POST /v1/completions 200" in lines[0] and "completion_tokens=2" in lines[0]
+    # the request id is also a response header, so a log line can be matched to a client's request
+    raw = httpx.post(api_server.base_url + "/v1/chat/completions", headers=api_server.headers,
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    assert raw.headers["x-request-id"] == raw.json()["id"]
+    assert wait_until(lambda: any(raw.json()["id"] in ln and "POST /v1/chat/completions 200" in ln
+                                  for ln in api_server.log().splitlines()), timeout=5)
+
+
+def test_request_log_notes_streams_cut_by_the_client(api_server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "cut me", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", api_server.base_url + "/v1/completions", json=body, headers=api_server.headers,
+                      timeout=30) as r:
+        request_id = r.headers["x-request-id"]
+        lines = r.iter_lines()
+        next(lines)
+    logged = wait_until(lambda: [ln for ln in api_server.log().splitlines() if request_id in ln], timeout=5)
+    assert len(logged) == 1, api_server.log()[-2000:]
+    assert "POST /v1/completions 200" in logged[0] and logged[0].endswith("(client disconnected)")
