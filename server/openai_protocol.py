@@ -68,7 +68,8 @@ class _SamplingRequest(BaseModel):
         kwargs: dict[str, Any] = dict(
             n=self.n, best_of=self.best_of, use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            # beam search is deterministic: an unset temperature means 0 there, OpenAI's 1.0 elsewhere
+            temperature=(0.0 if self.use_beam_search else 1.0) if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None or self.top_k == 0 else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,

@@ -187,3 +187,14 @@ def test_request_log_notes_streams_cut_by_the_client(api_server: ServerProcess) 
     logged = wait_until(lambda: [ln for ln in api_server.log().splitlines() if request_id in ln], timeout=5)
     assert len(logged) == 1, api_server.log()[-2000:]
     assert "POST /v1/completions 200" in logged[0] and logged[0].endswith("(client disconnected)")
+
+
+def test_beam_search_returns_n_distinct_deterministic_beams(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="The best way to", max_tokens=5, n=2,
+              extra_body={"use_beam_search": True, "best_of": 3, "ignore_eos": True})
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert a.choices[0].text != a.choices[1].text
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 10
