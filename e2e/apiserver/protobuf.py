@@ -2,8 +2,9 @@
 
 client-go's typed clientsets (``kubectl create configmap``, Helm's release storage)
 send ``application/vnd.kubernetes.protobuf`` bodies and do not fall back to JSON. We
-decode the kinds those clients write, from their ``generated.proto`` field numbers;
-anything else gets a 415 that names the supported kinds.
+decode the kinds those clients write (for the generated objects, the fields those
+generators set), from their ``generated.proto`` field numbers; anything else gets a 415
+that names the supported kinds.
 """
 from __future__ import annotations
 
@@ -43,10 +44,46 @@ _TABLES: dict[str, dict[int, tuple[str, str]]] = {
     "ResourceAttributes": {1: ("namespace", "str"), 2: ("verb", "str"), 3: ("group", "str"), 4: ("version", "str"),
                            5: ("resource", "str"), 6: ("subresource", "str"), 7: ("name", "str")},
     "NonResourceAttributes": {1: ("path", "str"), 2: ("verb", "str")},
+    "Deployment": {1: ("metadata", "ObjectMeta"), 2: ("spec", "DeploymentSpec")},
+    "DeploymentSpec": {1: ("replicas", "int"), 2: ("selector", "LabelSelector"), 3: ("template", "PodTemplateSpec"),
+                       4: ("strategy", "DeploymentStrategy"), 5: ("minReadySeconds", "int"),
+                       6: ("revisionHistoryLimit", "int"), 7: ("paused", "bool"), 9: ("progressDeadlineSeconds", "int")},
+    "DeploymentStrategy": {1: ("type", "str"), 2: ("rollingUpdate", "RollingUpdateDeployment")},
+    "RollingUpdateDeployment": {1: ("maxUnavailable", "intstr"), 2: ("maxSurge", "intstr")},
+    "LabelSelector": {1: ("matchLabels", "map"), 2: ("matchExpressions", "list:LabelSelectorRequirement")},
+    "LabelSelectorRequirement": {1: ("key", "str"), 2: ("operator", "str"), 3: ("values", "list_str")},
+    "PodTemplateSpec": {1: ("metadata", "ObjectMeta"), 2: ("spec", "PodSpec")},
+    "PodSpec": {2: ("containers", "list:Container"), 3: ("restartPolicy", "str"),
+                4: ("terminationGracePeriodSeconds", "int"), 7: ("nodeSelector", "map"),
+                8: ("serviceAccountName", "str"), 20: ("initContainers", "list:Container")},
+    "Container": {1: ("name", "str"), 2: ("image", "str"), 3: ("command", "list_str"), 4: ("args", "list_str"),
+                  5: ("workingDir", "str"), 6: ("ports", "list:ContainerPort"), 7: ("env", "list:EnvVar"),
+                  8: ("resources", "ResourceRequirements"), 14: ("imagePullPolicy", "str")},
+    "ContainerPort": {1: ("name", "str"), 2: ("hostPort", "int"), 3: ("containerPort", "int"),
+                      4: ("protocol", "str"), 5: ("hostIP", "str")},
+    "EnvVar": {1: ("name", "str"), 2: ("value", "str")},
+    "ResourceRequirements": {1: ("limits", "map_quantity"), 2: ("requests", "map_quantity")},
+    "Service": {1: ("metadata", "ObjectMeta"), 2: ("spec", "ServiceSpec")},
+    "ServiceSpec": {1: ("ports", "list:ServicePort"), 2: ("selector", "map"), 3: ("clusterIP", "str"),
+                    4: ("type", "str"), 7: ("sessionAffinity", "str"), 11: ("externalName", "str")},
+    "ServicePort": {1: ("name", "str"), 2: ("protocol", "str"), 3: ("port", "int"), 4: ("targetPort", "intstr"),
+                    5: ("nodePort", "int")},
+    "IntOrString": {1: ("type", "int"), 2: ("intVal", "int"), 3: ("strVal", "str")},
+    "Quantity": {1: ("string", "str")},
+    "Role": {1: ("metadata", "ObjectMeta"), 2: ("rules", "list:PolicyRule")},
+    "ClusterRole": {1: ("metadata", "ObjectMeta"), 2: ("rules", "list:PolicyRule")},
+    "PolicyRule": {1: ("verbs", "list_str"), 2: ("apiGroups", "list_str"), 3: ("resources", "list_str"),
+                   4: ("resourceNames", "list_str"), 5: ("nonResourceURLs", "list_str")},
+    "RoleBinding": {1: ("metadata", "ObjectMeta"), 2: ("subjects", "list:Subject"), 3: ("roleRef", "RoleRef")},
+    "ClusterRoleBinding": {1: ("metadata", "ObjectMeta"), 2: ("subjects", "list:Subject"), 3: ("roleRef", "RoleRef")},
+    "Subject": {1: ("kind", "str"), 2: ("apiGroup", "str"), 3: ("name", "str"), 4: ("namespace", "str")},
+    "RoleRef": {1: ("apiGroup", "str"), 2: ("kind", "str"), 3: ("name", "str")},
     "Time": {1: ("seconds", "int"), 2: ("nanos", "int")},
     "MapEntry": {1: ("key", "str"), 2: ("value", "bytes")},
+    "QuantityEntry": {1: ("key", "str"), 2: ("value", "Quantity")},
 }
-SUPPORTED = ("ConfigMap", "Secret", "Namespace", "ServiceAccount", "DeleteOptions", "SelfSubjectAccessReview")
+SUPPORTED = ("ConfigMap", "Secret", "Namespace", "ServiceAccount", "DeleteOptions", "SelfSubjectAccessReview",
+             "Deployment", "Service", "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding")
 
 
 class ProtobufError(ValueError):
@@ -111,6 +148,12 @@ def _decode(table: str, buf: bytes) -> dict[str, Any]:
             t = _decode("Time", value)  # type: ignore[arg-type]
             if t.get("seconds"):
                 obj[name] = datetime.fromtimestamp(t["seconds"], timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        elif kind == "intstr":
+            v = _decode("IntOrString", value)  # type: ignore[arg-type]
+            obj[name] = v.get("strVal", "") if v.get("type") == 1 else v.get("intVal", 0)
+        elif kind == "map_quantity":
+            entry = _decode("QuantityEntry", value)  # type: ignore[arg-type]
+            obj.setdefault(name, {})[entry.get("key", "")] = (entry.get("value") or {}).get("string", "")
         elif kind in ("map", "map_bytes"):
             entry = _decode("MapEntry", value)  # type: ignore[arg-type]
             raw = entry.get("value", b"")
@@ -125,10 +168,17 @@ def _decode(table: str, buf: bytes) -> dict[str, Any]:
     return obj
 
 
+# Pointer fields in the Go types: an explicit zero/false here means something and must be kept.
+_KEEP_ZERO = {"replicas", "revisionHistoryLimit", "progressDeadlineSeconds", "terminationGracePeriodSeconds",
+              "deletionGracePeriodSeconds", "gracePeriodSeconds", "maxUnavailable", "maxSurge",
+              "automountServiceAccountToken", "immutable", "orphanDependents"}
+
+
 def _clean(obj: Any) -> Any:
-    """Proto2 sends empty optional strings; JSON omits them."""
+    """Go's JSON omits empty values of non-pointer fields that protobuf still sends (0, false, "")."""
     if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items() if v not in ("", None)}
+        return {k: _clean(v) for k, v in obj.items()
+                if v not in ("", None) and (k in _KEEP_ZERO or (v is not False and v != 0) or isinstance(v, str))}
     if isinstance(obj, list):
         return [_clean(v) for v in obj]
     return obj

@@ -152,7 +152,7 @@ def test_wait_for_condition(cluster, api_client, namespace, widget_crd):
 
 
 def test_typed_create_commands(cluster, namespace):
-    """kubectl create configmap/secret send protobuf bodies; they must land intact."""
+    """kubectl's create generators send protobuf bodies; they must land intact."""
     cluster.kubectl("create", "configmap", "proto", "--from-literal=greeting=hello", namespace=namespace)
     cluster.kubectl("create", "secret", "generic", "creds", "--from-literal=token=s3cr3t", namespace=namespace)
     cm = cluster.kubectl_json("get", "configmap", "proto", namespace=namespace)
@@ -162,3 +162,15 @@ def test_typed_create_commands(cluster, namespace):
     wait_until(lambda: cluster.kubectl("get", "sa", "default", namespace=namespace, check=False).returncode == 0,
                what="default service account")
     assert cluster.kubectl("auth", "can-i", "create", "deployments", namespace=namespace).stdout.strip() == "yes"
+    cluster.kubectl("create", "deployment", "gen", "--image=nginx:1.27", "--port=8080", "--replicas=0",
+                    namespace=namespace)
+    dep = cluster.kubectl_json("get", "deployment", "gen", namespace=namespace)
+    assert dep["spec"]["replicas"] == 0 and dep["spec"]["selector"] == {"matchLabels": {"app": "gen"}}
+    [container] = dep["spec"]["template"]["spec"]["containers"]
+    assert (container["image"], container["ports"][0]["containerPort"]) == ("nginx:1.27", 8080)
+    cluster.kubectl("create", "service", "clusterip", "gen", "--tcp=80:http", namespace=namespace)
+    port = cluster.kubectl_json("get", "service", "gen", namespace=namespace)["spec"]["ports"][0]
+    assert (port["port"], port["targetPort"]) == (80, "http")
+    cluster.kubectl("create", "role", "reader", "--verb=get,list", "--resource=pods", namespace=namespace)
+    rules = cluster.kubectl_json("get", "role", "reader", namespace=namespace)["rules"]
+    assert rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]}]
