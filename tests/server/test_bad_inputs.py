@@ -91,6 +91,7 @@ CASES: list[tuple[str, str, str, bytes | None, str | None, int, str | None]] = [
     ("chat-max-completion-tokens-huge", "POST", CHAT, chat(max_completion_tokens=100000), None, 400, "max_tokens"),
     ("chat-tools", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), None, 400, "tools"),
     ("chat-json-mode", "POST", CHAT, chat(response_format={"type": "json_object"}), None, 400, "response_format"),
+    ("body-too-large", "POST", C, b'{"prompt": "' + b"a" * (33 << 20) + b'"}', None, 413, None),
     ("get-on-post-endpoint", "GET", C, None, None, 405, None),
     ("unknown-path", "POST", "/v1/engines/davinci/completions", comp(), None, 404, None),
 ]
@@ -116,6 +117,19 @@ def test_bad_request_gets_openai_error(api_server: ServerProcess, name: str, met
     assert isinstance(err["type"], str) and err["type"]
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_chunked_body_over_the_limit_is_cut_off_with_413(api_server: ServerProcess) -> None:
+    """No Content-Length to check up front: the limit applies while the body streams in."""
+    def body():
+        yield b'{"prompt": "'
+        for _ in range(40):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+    r = httpx.post(api_server.base_url + C, content=body(), timeout=60,
+                   headers={**api_server.headers, "Content-Type": "application/json"})
+    assert r.status_code == 413
+    assert "exceeds the limit" in r.json()["error"]["message"]
 
 
 def test_context_length_error_states_limit_and_length(api_server: ServerProcess) -> None:
