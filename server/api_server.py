@@ -167,7 +167,7 @@ class OpenAIServing:
             raise APIError(400, "prompt contains an unpaired UTF-16 surrogate (invalid Unicode)", param="prompt") from None
         try:
             ids = await self._in_tokenizer_thread(lambda: list(self._enc_tokenizer(prompt).input_ids))
-        except Exception as exc:  # e.g. lone surrogates the tokenizer cannot encode
+        except Exception as exc:  # the tokenizer's own failures; the client gets the class, we keep the rest
             raise APIError(400, f"prompt could not be tokenized: {type(exc).__name__}", param="prompt") from None
         return ids, prompt
 

@@ -276,7 +276,7 @@ def _stats(values: list[float], percentiles: list[float]) -> dict[str, float]:
     out = {"mean": statistics.fmean(ms), "median": statistics.median(ms),
            "std": statistics.pstdev(ms) if len(ms) > 1 else 0.0}
     for p in percentiles:
-        # nearest-rank on the sorted sample, interpolated
+        # linear interpolation between the two closest ranks (numpy's default method)
         k = (len(ms) - 1) * p / 100
         lo, hi = math.floor(k), math.ceil(k)
         out[f"p{_fmt_p(p)}"] = ms[lo] + (ms[hi] - ms[lo]) * (k - lo)
