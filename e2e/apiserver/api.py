@@ -188,6 +188,8 @@ class Api:
             if crds.CLEANUP_FINALIZER not in meta["finalizers"]:
                 meta["finalizers"].append(crds.CLEANUP_FINALIZER)
             obj["status"] = crds.accepted_status(obj, now_iso())
+        if rt.storage_key == "jobs.batch":
+            defaults.default_job_selector(obj)
         if rt.storage_key == "services" and not obj["spec"].get("clusterIP") and obj["spec"]["type"] != "ExternalName":
             obj["spec"]["clusterIP"] = next(self._cluster_ips)
             obj["spec"]["clusterIPs"] = [obj["spec"]["clusterIP"]]

@@ -125,6 +125,21 @@ def default_and_validate(storage: str, obj: dict[str, Any], creating: bool) -> l
         template = spec.setdefault("template", {})
         default_pod_spec(template.setdefault("spec", {}))
         return _validate_workload(obj)
+    elif storage == "jobs.batch":
+        spec = obj.setdefault("spec", {})
+        spec.setdefault("parallelism", 1)
+        spec.setdefault("backoffLimit", 6)
+        spec.setdefault("completionMode", "NonIndexed")
+        if "completions" not in spec:
+            spec["completions"] = 1
+        template = spec.setdefault("template", {})
+        pod_spec = template.setdefault("spec", {})
+        default_pod_spec(pod_spec)
+        if pod_spec.get("restartPolicy") not in ("Never", "OnFailure"):
+            return [FieldError("FieldValueNotSupported", "spec.template.spec.restartPolicy",
+                               f'Unsupported value: "{pod_spec.get("restartPolicy")}": supported values: '
+                               '"OnFailure", "Never"')]
+        return _validate_pod_spec(pod_spec, "spec.template.spec")
     elif storage == "services":
         obj.setdefault("spec", {})
         svc = obj["spec"]
@@ -203,3 +218,15 @@ def validate_update(storage: str, old: dict[str, Any], new: dict[str, Any]) -> l
                 errors.append(FieldError("FieldValueForbidden", field,
                                          "Forbidden: field is immutable when `immutable` is set"))
     return errors
+
+
+def default_job_selector(job: dict[str, Any]) -> None:
+    """Jobs get a selector on their own UID (assigned at creation), labels on their pod template."""
+    uid, name = job["metadata"]["uid"], job["metadata"]["name"]
+    spec = job["spec"]
+    if spec.get("manualSelector") and spec.get("selector"):
+        return
+    spec["selector"] = {"matchLabels": {"batch.kubernetes.io/controller-uid": uid}}
+    labels = spec["template"].setdefault("metadata", {}).setdefault("labels", {})
+    labels.update({"batch.kubernetes.io/controller-uid": uid, "batch.kubernetes.io/job-name": name,
+                   "controller-uid": uid, "job-name": name})

@@ -78,6 +78,7 @@ def builtin_types() -> list[ResourceType]:
            status_subresource=True, has_generation=True, scale=rs_scale),
         _b("apps", "v1", "statefulsets", "StatefulSet", short_names=["sts"], categories=["all"],
            status_subresource=True, has_generation=True, scale=rs_scale),
+        _b("batch", "v1", "jobs", "Job", categories=["all"], status_subresource=True, has_generation=True),
         _b("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice"),
         _b("events.k8s.io", "v1", "events", "Event", short_names=["ev"], storage="events"),
         _b("coordination.k8s.io", "v1", "leases", "Lease"),

@@ -131,6 +131,21 @@ def _node_status(node: dict[str, Any]) -> str:
     return "Unknown"
 
 
+def _job_status(job: dict[str, Any]) -> str:
+    for c in (job.get("status") or {}).get("conditions") or []:
+        if c.get("type") in ("Complete", "Failed") and c.get("status") == "True":
+            return c["type"]
+    return "Suspended" if job.get("spec", {}).get("suspend") else "Running"
+
+
+def _job_duration(job: dict[str, Any]) -> str:
+    status = job.get("status") or {}
+    start, end = parse_time(status.get("startTime")), parse_time(status.get("completionTime"))
+    if start is None:
+        return ""
+    return human_duration(((end or datetime.now(timezone.utc)) - start).total_seconds())
+
+
 _AGE: Column = ("Age", "string", 0, age)
 _NAME: Column = ("Name", "string", 0, _name)
 
@@ -168,6 +183,11 @@ BUILTIN_COLUMNS: dict[str, list[Column]] = {
     "events": [("Last Seen", "string", 0, _event_last_seen), ("Type", "string", 0, lambda o: o.get("type", "")),
                ("Reason", "string", 0, lambda o: o.get("reason", "")), ("Object", "string", 0, _event_object),
                ("Message", "string", 0, lambda o: o.get("message") or o.get("note") or "")],
+    "jobs.batch": [
+        _NAME, ("Status", "string", 0, lambda o: _job_status(o)),
+        ("Completions", "string", 0, lambda o: f"{(o.get('status') or {}).get('succeeded', 0)}/"
+                                               f"{o.get('spec', {}).get('completions', 1)}"),
+        ("Duration", "string", 0, lambda o: _job_duration(o)), _AGE],
     "endpointslices.discovery.k8s.io": [
         _NAME, ("AddressType", "string", 0, lambda o: o.get("addressType", "")),
         ("Ports", "string", 0, lambda o: ",".join(str(p.get("port")) for p in o.get("ports") or []) or "<unset>"),

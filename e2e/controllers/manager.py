@@ -6,7 +6,7 @@ import logging
 
 from ..apiserver.api import Api
 from ..apiserver.store import WatchEvent
-from . import endpoints, garbage_collector, namespaces, replicasets, scheduler
+from . import endpoints, garbage_collector, jobs, namespaces, replicasets, scheduler
 from .deployments import DeploymentController
 
 log = logging.getLogger("e2e.controllers")
@@ -59,6 +59,8 @@ class ControllerManager:
             self.deployments.reconcile(d)
         for rs in api.store.list("replicasets.apps"):
             replicasets.reconcile(api, rs)
+        for job in api.store.list("jobs.batch"):
+            jobs.reconcile(api, job)
         node = api.store.peek("nodes", "", self.node_name)
         if node is not None:
             scheduler.schedule(api, node)

@@ -144,3 +144,28 @@ def test_kubectl_exec_streams_and_exit_codes(cluster, namespace):
     failed = cluster.kubectl("exec", "shell", "--", "python", "-c", "raise SystemExit(7)", namespace=namespace,
                              check=False)
     assert failed.returncode == 7
+
+
+def test_jobs_complete_or_fail(cluster, namespace):
+    ok = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "count"},
+          "spec": {"completions": 2, "parallelism": 1, "template": {"spec": {
+              "restartPolicy": "Never", "containers": [{"name": "c", "image": IMAGE,
+                                                        "command": ["python", "-c", "print('counted')"]}]}}}}
+    bad = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "doomed"},
+           "spec": {"backoffLimit": 1, "template": {"spec": {
+               "restartPolicy": "Never", "containers": [{"name": "c", "image": IMAGE,
+                                                         "command": ["python", "-c", "raise SystemExit(1)"]}]}}}}
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all([ok, bad]), namespace=namespace)
+    cluster.kubectl("wait", "--for=condition=Complete", "job/count", "--timeout=60s", namespace=namespace,
+                    timeout=70)
+    job = cluster.kubectl_json("get", "job", "count", namespace=namespace)
+    assert job["status"]["succeeded"] == 2 and job["status"].get("completionTime")
+    assert "counted" in cluster.kubectl("logs", "job/count", namespace=namespace).stdout
+    cluster.kubectl("wait", "--for=condition=Failed", "job/doomed", "--timeout=60s", namespace=namespace,
+                    timeout=70)
+    doomed = cluster.kubectl_json("get", "job", "doomed", namespace=namespace)
+    assert doomed["status"]["failed"] == 2
+    failed = {c["type"]: c for c in doomed["status"]["conditions"]}["Failed"]
+    assert failed["reason"] == "BackoffLimitExceeded"
+    table = cluster.kubectl("get", "jobs", namespace=namespace).stdout.splitlines()
+    assert table[0].split() == ["NAME", "STATUS", "COMPLETIONS", "DURATION", "AGE"]
