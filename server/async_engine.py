@@ -172,8 +172,11 @@ class AsyncEngine:
 
     @property
     def dead_reason(self) -> str | None:
+        """Client-facing: names the failure class only; the full error is in the server log."""
+        if isinstance(self._dead, EngineDeadError):
+            return str(self._dead)
         if self._dead is not None:
-            return str(self._dead) or type(self._dead).__name__
+            return f"engine loop died ({type(self._dead).__name__})"
         if self._thread is None or not self._thread.is_alive():
             return "engine loop is not running"
         return None
@@ -189,6 +192,10 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason or "engine is not running")
         group = RequestGroup(subs, asyncio.get_running_loop())
         self._commands.put(_Add(group, priority, time.time() if arrival_time is None else arrival_time))
+        if not self.is_healthy:
+            # The loop died after the check above and may have drained the queue already: nobody
+            # would ever answer this add. (_fail_all marks the loop dead before it drains.)
+            group._resolve(EngineDeadError(self.dead_reason or "engine is not running"))
         try:
             await group.accepted
         except asyncio.CancelledError:
@@ -305,6 +312,8 @@ class AsyncEngine:
         self._fail_all(reason)
 
     def _fail_all(self, reason: BaseException) -> None:
+        if self._dead is None:
+            self._dead = reason   # before draining: add() relies on this order
         groups = {id(g): g for g in self._groups.values()}
         self._groups.clear()
         # Requests still in the command queue never reached the engine; tell their handlers too.
@@ -318,6 +327,4 @@ class AsyncEngine:
         for g in groups.values():
             g._resolve(reason)
             g._post((None, reason))
-        if self._dead is None:
-            self._dead = reason
 

@@ -35,6 +35,7 @@ def test_engine_loop_death_fails_pending_requests_and_health(server_model_dir: P
 
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert "illegal memory access" not in health.text
         after = httpx.post(url + "/v1/completions", json=PROMPT)
         assert after.status_code == 503 and "engine" in after.json()["error"]["message"]
         assert "Traceback" not in after.text
