@@ -26,6 +26,7 @@ from aiohttp import web
 
 from .apiserver.api import Api
 from .apiserver.server import ApiServer
+from .controllers.quantity import parse_quantity
 
 log = logging.getLogger("e2e.cluster")
 T = TypeVar("T")
@@ -37,6 +38,14 @@ class LocalCluster:
     def __init__(self, workdir: str | Path | None = None, *, controllers: bool = True,
                  node_capacity: dict[str, str] | None = None, node_name: str = "local-node",
                  restart_backoff_s: float = 1.0) -> None:
+        self.node_capacity = {"cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "0",
+                              **(node_capacity or {})}
+        for resource, amount in self.node_capacity.items():
+            try:
+                if parse_quantity(amount) < 0:
+                    raise ValueError("must not be negative")
+            except ValueError as exc:
+                raise ValueError(f"node capacity {resource}={amount!r} is not a valid quantity: {exc}") from None
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pagedmodel-e2e-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -45,8 +54,6 @@ class LocalCluster:
         self.server = ApiServer(self.api)
         self.with_controllers = controllers
         self.node_name = node_name
-        self.node_capacity = {"cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "0",
-                              **(node_capacity or {})}
         self.restart_backoff_s = restart_backoff_s
         # A random /24 inside 127/8 so concurrent clusters on one machine do not collide.
         self.pod_network = f"127.{random.randint(10, 250)}.{random.randint(0, 255)}"
@@ -197,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.gpus < 0:
         parser.error("--gpus must be >= 0")
+    for flag, value in (("--cpu", args.cpu), ("--memory", args.memory)):
+        try:
+            parse_quantity(value)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
     return _up(args)
 
 
