@@ -46,6 +46,8 @@ class LocalCluster:
                     raise ValueError("must not be negative")
             except ValueError as exc:
                 raise ValueError(f"node capacity {resource}={amount!r} is not a valid quantity: {exc}") from None
+        if restart_backoff_s <= 0:
+            raise ValueError(f"restart_backoff_s must be > 0, got {restart_backoff_s}")
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pagedmodel-e2e-"))
         self.workdir.mkdir(parents=True, exist_ok=True)

@@ -92,3 +92,17 @@ def test_cluster_up_command(local_only, tmp_path, stop_signal):
             proc.kill()
             proc.wait()
 
+
+
+@pytest.mark.parametrize("kwargs,message", [({"node_capacity": {"cpu": "lots"}}, "cpu='lots' is not a valid quantity"),
+                                            ({"node_capacity": {"nvidia.com/gpu": "-1"}}, "must not be negative"),
+                                            ({"restart_backoff_s": 0}, "restart_backoff_s must be > 0")])
+def test_bad_cluster_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LocalCluster(**kwargs)
+
+
+def test_cluster_up_rejects_bad_flags():
+    result = subprocess.run([sys.executable, "-m", "e2e.cluster", "up", "--memory", "plenty"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--memory: quantities must match" in result.stderr
