@@ -19,6 +19,16 @@ COMPONENT = "kubelet"
 SHUTDOWN_GRACE_S = 2.0
 
 
+def _gpu_count(container: dict[str, Any]) -> int:
+    resources = container.get("resources") or {}
+    amount = (resources.get("limits") or {}).get("nvidia.com/gpu") or (resources.get("requests") or {}).get(
+        "nvidia.com/gpu") or 0
+    try:
+        return max(0, int(str(amount)))
+    except ValueError:
+        return 0
+
+
 class PodRuntime:
     """The containers of one pod and the pod-level status derived from them."""
 
@@ -36,6 +46,7 @@ class PodRuntime:
         restart_policy = pod["spec"].get("restartPolicy", "Always")
         grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
         self.tasks: list[asyncio.Task[None]] = []
+        self.gpus: dict[str, list[int]] = {}
         for spec in pod["spec"].get("containers") or []:
             spec = dict(spec, _grace=grace)
             worker = ContainerWorker(
@@ -43,6 +54,7 @@ class PodRuntime:
                 backoff_base_s=kubelet.restart_backoff_s, prepare=self._preparer(spec), notify=kubelet.wake,
                 emit=self._emitter(spec["name"]))
             self.workers[spec["name"]] = worker
+            self.gpus[spec["name"]] = kubelet.allocate_gpus(_gpu_count(spec))
 
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +72,12 @@ class PodRuntime:
             pod = self._current()
             pod.setdefault("status", {})["podIP"] = self.ip
             pod["status"]["hostIP"] = self.kubelet.node_ip
-            return environment.build(self.kubelet.api, pod, spec, self.kubelet.api_host, self.kubelet.api_port)
+            argv, env = environment.build(self.kubelet.api, pod, spec, self.kubelet.api_host, self.kubelet.api_port)
+            # The device plugin's part: a container sees exactly the GPUs assigned to it (none if it asked none).
+            visible = ",".join(str(i) for i in self.gpus.get(spec["name"], []))
+            env["CUDA_VISIBLE_DEVICES"] = visible
+            env["NVIDIA_VISIBLE_DEVICES"] = visible or "void"
+            return argv, env
         return prepare
 
     def _emitter(self, container: str) -> Any:
@@ -113,6 +130,11 @@ class PodRuntime:
                   "qosClass": old.get("qosClass", "BestEffort")}
         return status
 
+    def release_gpus(self) -> None:
+        for name, ids in self.gpus.items():
+            self.kubelet.release_gpus(ids)
+            self.gpus[name] = []
+
     async def stop(self, grace: float) -> None:
         self.terminating = True
         await asyncio.gather(*(w.stop(grace) for w in self.workers.values()), return_exceptions=True)
@@ -135,6 +157,7 @@ class Kubelet:
         self.api_host, self.api_port = parsed.hostname or "127.0.0.1", parsed.port or 0
         self.pods: dict[str, PodRuntime] = {}
         self._free_ips = [f"{pod_network}.{i}" for i in range(2, 255)]
+        self._free_gpus = list(range(int(float(capacity.get("nvidia.com/gpu", "0") or 0))))
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping: dict[str, asyncio.Task[None]] = {}
@@ -158,6 +181,13 @@ class Kubelet:
         await asyncio.gather(*self._stopping.values(), return_exceptions=True)
         process.kill_all(grace_s=0.5)
         self.pods.clear()
+
+    def allocate_gpus(self, count: int) -> list[int]:
+        ids, self._free_gpus = self._free_gpus[:count], self._free_gpus[count:]
+        return ids
+
+    def release_gpus(self, ids: list[int]) -> None:
+        self._free_gpus = sorted(set(self._free_gpus) | set(ids))
 
     def wake(self) -> None:
         self._wake.set()
@@ -228,6 +258,8 @@ class Kubelet:
             if pod is None:
                 continue
             status = runtime.status(pod)
+            if status["phase"] in ("Succeeded", "Failed"):
+                runtime.release_gpus()   # finished pods give their devices back, as the scheduler assumes
             if pod.get("status") != status:
                 body = api.served(pods_rt, pod)
                 body["status"] = status
@@ -255,6 +287,7 @@ class Kubelet:
             self.pods.pop(runtime.uid, None)
             self._stopping.pop(runtime.uid, None)
             self._free_ips.append(runtime.ip)
+            runtime.release_gpus()
 
     def sync_one_status(self, runtime: PodRuntime, pod: dict[str, Any]) -> None:
         pods_rt = self.api.builtin("pods")

@@ -169,3 +169,14 @@ def test_jobs_complete_or_fail(cluster, namespace):
     assert failed["reason"] == "BackoffLimitExceeded"
     table = cluster.kubectl("get", "jobs", namespace=namespace).stdout.splitlines()
     assert table[0].split() == ["NAME", "STATUS", "COMPLETIONS", "DURATION", "AGE"]
+
+
+def test_gpu_pods_see_only_their_devices(cluster, namespace, local_only):
+    show = "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    pods = [_pod("gpu", show, restartPolicy="Never", container={"resources": {"limits": {"nvidia.com/gpu": "1"}}}),
+            _pod("cpu", show, restartPolicy="Never")]
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(pods), namespace=namespace)
+    for name in ("gpu", "cpu"):
+        _phase(cluster, namespace, name, "Succeeded")
+    assert cluster.kubectl("logs", "gpu", namespace=namespace).stdout.strip() == "'0'"
+    assert cluster.kubectl("logs", "cpu", namespace=namespace).stdout.strip() == "''"
