@@ -198,3 +198,30 @@ def test_beam_search_returns_n_distinct_deterministic_beams(client: openai.OpenA
     assert a.choices[0].text != a.choices[1].text
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert a.usage.completion_tokens == 10
+
+
+def test_streamed_stop_string_and_n2_match_unstreamed(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt="A long road", max_tokens=14, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    kw = dict(model=MODEL, prompt="A long road", max_tokens=14, temperature=0, stop=[stop],
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    # the stop string (or a prefix of it) is never streamed, then taken back
+    assert "".join(c.choices[0].text for c in chunks) == whole.text == full[:full.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop" == whole.finish_reason
+
+    kw2 = dict(model=MODEL, prompt="Two paths", max_tokens=6, n=2, temperature=1.0, seed=42,
+               extra_body={"ignore_eos": True})
+    unstreamed = client.completions.create(**kw2)
+    texts = {0: "", 1: ""}
+    finishes = {}
+    for c in client.completions.create(stream=True, **kw2):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                assert ch.index not in finishes, "one finish chunk per choice"
+                finishes[ch.index] = ch.finish_reason
+    assert texts == {c.index: c.text for c in unstreamed.choices}
+    assert finishes == {0: "length", 1: "length"}
