@@ -11,17 +11,23 @@ import typing
 from typing import Any
 
 from kubernetes.client import models
-from pydantic import BaseModel
+
+try:   # kubernetes>=35 generates pydantic models; older clients have no usable field list here
+    from pydantic import BaseModel
+except ImportError:   # pragma: no cover - depends on the installed client generation
+    BaseModel = None  # type: ignore[assignment,misc]
 
 _PREFIX = {"": "Core", "events.k8s.io": "Events", "discovery.k8s.io": "Discovery"}
 TypeSpec = tuple[str, Any] | None   # ("model", cls) | ("list", spec) | ("dict", spec) | None for leaves
 
 
-def model_for(group: str, version: str, kind: str) -> type[BaseModel] | None:
+def model_for(group: str, version: str, kind: str) -> Any:
+    if BaseModel is None:
+        return None
     ver = version[:1].upper() + version[1:]
     for name in (f"{ver}{kind}", f"{_PREFIX.get(group, '')}{ver}{kind}"):
         cls = getattr(models, name, None)
-        if isinstance(cls, type) and issubclass(cls, BaseModel):
+        if isinstance(cls, type) and issubclass(cls, BaseModel) and hasattr(cls, "model_fields"):
             return cls
     return None
 
@@ -39,13 +45,13 @@ def _spec(annotation: Any) -> TypeSpec:
     if origin in (dict, typing.Dict):
         inner = _spec(args[1]) if len(args) == 2 else None
         return ("dict", inner) if inner else None
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+    if BaseModel is not None and isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return ("model", annotation)
     return None
 
 
 @functools.lru_cache(maxsize=None)
-def _fields(cls: type[BaseModel]) -> dict[str, TypeSpec]:
+def _fields(cls: Any) -> dict[str, TypeSpec]:
     """JSON field name -> type spec of its value."""
     attribute_map: dict[str, str] = getattr(cls, "attribute_map", {})
     out: dict[str, TypeSpec] = {}
