@@ -27,30 +27,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_tiny_model(path: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's real tokenizer (vocab 49152, chat template, eos id 2)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from pagedmodel.server.model_store import prepare_model
-
-    tok = AutoTokenizer.from_pretrained(str(prepare_model()))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
-    LlamaForCausalLM(cfg).save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    return path
-
-
 @pytest.fixture(scope="session")
-def server_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared tiny Llama (tests/conftest.py) when it exists, else our own equivalent."""
-    try:
-        return Path(request.getfixturevalue("tiny_llama_dir"))
-    except pytest.FixtureLookupError:
-        return _make_tiny_model(tmp_path_factory.mktemp("server_tiny_llama"))
+def server_model_dir(tiny_llama_dir: Path) -> Path:
+    """The shared tiny Llama (tests/conftest.py): SmolLM2's tokenizer and chat template, random weights."""
+    return Path(tiny_llama_dir)
 
 
 class ServerProcess:
