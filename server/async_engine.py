@@ -1,6 +1,9 @@
 """The async front of the engine: one background thread steps it, asyncio handlers await their outputs.
 
-The engine is not thread-safe, so only the loop thread ever touches it. Handlers talk to that thread
+The engine is not thread-safe, so only the loop thread ever touches it. Handlers read the RequestOutputs
+on the event loop while the engine runs on: this relies on the engine handing out objects it never
+mutates afterwards (LLMEngine builds fresh lists for every step's outputs; tests/server checks that),
+which spares a second O(sequence length) copy per request per step here. Handlers talk to that thread
 through a command queue (add / abort) and get their outputs back on per-request asyncio queues, posted
 with `call_soon_threadsafe`. Commands are drained before every step, so an abort (a client that went
 away) frees its KV blocks before the next forward pass. If a step raises, the loop stops for good:
@@ -9,7 +12,6 @@ every pending request fails with EngineDeadError and `is_healthy` turns false (/
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -122,15 +124,6 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
-
-
-def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the handler may read while the engine keeps appending to its own lists."""
-    outs = [dataclasses.replace(o, token_ids=list(o.token_ids),
-                                logprobs=None if o.logprobs is None else list(o.logprobs))
-            for o in out.outputs]
-    return dataclasses.replace(out, outputs=outs, prompt_token_ids=list(out.prompt_token_ids),
-                               new_token_counts=list(out.new_token_counts))
 
 
 class AsyncEngine:
@@ -303,7 +296,7 @@ class AsyncEngine:
                     if out.finished:
                         del self._groups[out.request_id]
                     idx = next(s.prompt_index for s in group.subs if s.request_id == out.request_id)
-                    group._post((idx, _snapshot(out)))
+                    group._post((idx, out))
             reason: BaseException = EngineDeadError("server is shutting down")
         except BaseException as exc:  # noqa: BLE001 - the loop must report any death, then stop
             logger.exception("engine loop died")

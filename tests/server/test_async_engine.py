@@ -2,7 +2,7 @@
 
 The HTTP tests cover behaviour end to end with the real engine; these pin down the loop's contract
 exactly: an abort reaches the engine before its next step, the queue limit counts requests added since
-the last stats snapshot, and a dead loop fails everyone still waiting.
+the last stats snapshot, adds are all-or-nothing, and a dead loop fails everyone still waiting.
 """
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ class RecordingEngine:
                 done = n >= self.max_tokens
                 if done:
                     del self.requests[rid]
-                # like the real engine, hand out the live list it keeps appending to
+                # like the real engine: a fresh list per output, never touched again
                 self.tokens[rid].append(7)
-                outs.append(RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * n, self.tokens[rid],
+                outs.append(RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * n, list(self.tokens[rid]),
                                           finish_reason="length" if done else None)], done,
                                           RequestMetrics(time.time()), new_token_counts=[1]))
             return outs
@@ -169,18 +169,18 @@ def test_dead_loop_fails_waiting_requests_and_refuses_new_ones() -> None:
         ae.shutdown()
 
 
-def test_outputs_are_snapshots_the_engine_cannot_mutate_later() -> None:
-    engine = RecordingEngine(max_tokens=3)
-    ae = AsyncEngine(engine)
-    ae.start()
+def test_real_engine_outputs_are_not_mutated_by_later_steps(server_model_dir) -> None:
+    """AsyncEngine hands outputs to other threads as they are: the engine must not touch them afterwards."""
+    from pagedmodel.server.config import EngineArgs
+    from pagedmodel.server.engine import LLMEngine
 
-    async def scenario() -> list[RequestOutput]:
-        group = await ae.add(sub("s1"))
-        return [out async for _, out in group.outputs()]
-
-    try:
-        outs = asyncio.run(scenario())
-    finally:
-        ae.shutdown()
-    # read after the engine finished appending: each output still shows the tokens of its own step
-    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 2, 3]
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(server_model_dir), device="cpu", max_model_len=64,
+                                                   kv_cache_memory=1 << 20))
+    engine.add_request("m1", [1, 2, 3], SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1, logprobs=1,
+                                                       ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    snapshot = [[(len(o.token_ids), len(o.logprobs or []), o.text) for o in out.outputs] for out in outs]
+    assert [[n for n, _, _ in s] for s in snapshot] == [[1, 1], [2, 2], [3, 3], [4, 4]]
+    assert all(n == k for s in snapshot for n, k, _ in s)
