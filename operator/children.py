@@ -1,0 +1,97 @@
+"""Idempotent apply of child manifests through the API server (the operator's only writes besides status).
+
+Each child carries an annotation with the hash of the manifest the operator last applied; a child whose
+hash matches is left alone (no write, no resourceVersion bump), so re-running reconcile -- also after an
+operator restart -- changes nothing. A mismatch replaces the child (PUT with the live resourceVersion, so
+a concurrent writer yields a 409 and the next pass retries), keeping fields the API server owns.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from kubernetes.client import ApiClient
+from kubernetes.client.exceptions import ApiException
+
+from .reconcile import config_hash
+
+ANNOTATION_APPLIED = "pagedmodel.io/applied-hash"
+
+# kind -> (API prefix, plural) of every child kind the operator manages (and nothing else: see the chart's RBAC).
+PATHS: dict[str, tuple[str, str]] = {
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Service": ("/api/v1", "services"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+}
+
+
+@dataclass(frozen=True)
+class Applied:
+    kind: str
+    name: str
+    action: str                        # created | updated | unchanged
+    previous: dict[str, Any] | None    # the live object before an update
+
+
+class Kube:
+    """The few REST calls the operator makes, over one kubernetes.client.ApiClient."""
+
+    def __init__(self, api: ApiClient) -> None:
+        self.api = api
+
+    def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None) -> Any:
+        return self.api.call_api(path, method, query_params=query or [], body=body,
+                                 header_params={"Accept": "application/json", "Content-Type": "application/json"},
+                                 response_type="object", auth_settings=["BearerToken"],
+                                 _return_http_data_only=True, _preload_content=True)
+
+    @staticmethod
+    def path(kind: str, namespace: str, name: str | None = None) -> str:
+        prefix, plural = PATHS[kind]
+        base = f"{prefix}/namespaces/{quote(namespace)}/{plural}"
+        return f"{base}/{quote(name)}" if name else base
+
+    def get(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", path)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
+        return list((self._call("GET", path, query=[("labelSelector", label_selector)]) or {}).get("items") or [])
+
+    def exists(self, namespace: str, plural: str, name: str) -> bool:
+        return self.get(f"/api/v1/namespaces/{quote(namespace)}/{plural}/{quote(name)}") is not None
+
+    def pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        return self.list(f"/api/v1/namespaces/{quote(namespace)}/pods", label_selector)
+
+    def apply(self, manifest: dict[str, Any]) -> Applied:
+        meta = manifest["metadata"]
+        kind, name, namespace = manifest["kind"], meta["name"], meta["namespace"]
+        digest = config_hash(manifest)
+        body = copy.deepcopy(manifest)
+        body["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED] = digest
+        live = self.get(self.path(kind, namespace, name))
+        if live is None:
+            self._call("POST", self.path(kind, namespace), body)
+            return Applied(kind, name, "created", None)
+        live_meta = live.get("metadata") or {}
+        if (live_meta.get("annotations") or {}).get(ANNOTATION_APPLIED) == digest:
+            return Applied(kind, name, "unchanged", live)
+        # Keep what others own: annotations (deployment revision, kubectl's), the Service's allocated IPs.
+        body["metadata"]["annotations"] = {**(live_meta.get("annotations") or {}), **body["metadata"]["annotations"]}
+        body["metadata"]["resourceVersion"] = live_meta.get("resourceVersion")
+        if kind == "Service":
+            for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"):
+                if key in (live.get("spec") or {}):
+                    body["spec"][key] = live["spec"][key]
+        self._call("PUT", self.path(kind, namespace, name), body)
+        return Applied(kind, name, "updated", live)

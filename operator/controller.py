@@ -1,0 +1,122 @@
+"""One reconcile pass of a PagedModel: validate, apply children, read them back, compute status.
+
+It does I/O only through `Kube` (children.py) and returns the status to write and the events to post,
+so kopf's handlers stay thin and the pass runs in tests against a fake. Never raises for a bad spec:
+that becomes phase Failed with an InvalidSpec event.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from . import names
+from .children import Kube
+from .reconcile import Observed, desired_state, effective_engine, engine_replicas, service_url
+from .spec import parse_source, validate, with_defaults
+from .status import compute_status
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str          # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Outcome:
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def observed_from(pm: dict[str, Any], router_enabled: bool) -> Observed:
+    """What the desired state depends on besides the spec: tuner overrides and the autoscaler's count."""
+    meta, status = pm.get("metadata") or {}, pm.get("status") or {}
+    tuned: dict[str, Any] = {}
+    raw = (meta.get("annotations") or {}).get(names.ANNOTATION_TUNED)
+    if raw:
+        try:
+            parsed = json.loads(raw)
+            tuned = parsed if isinstance(parsed, dict) else {}
+        except ValueError:
+            tuned = {}     # a garbled annotation must not stop serving; the spec alone still applies
+    auto = ((pm.get("spec") or {}).get("autoscaling") or {}).get("enabled")
+    replicas = status.get("desiredReplicas") if auto else None
+    return Observed(engine_replicas=replicas if isinstance(replicas, int) else None, tuned=tuned,
+                    router_enabled=router_enabled)
+
+
+def missing_dependencies(kube: Kube, namespace: str, spec: dict[str, Any]) -> list[str]:
+    """Objects the spec names that do not exist: the pods could never start, so say which."""
+    missing = []
+    source = parse_source(spec["model"]["source"])
+    if source.scheme == "pvc" and not kube.exists(namespace, "persistentvolumeclaims", source.name):
+        missing.append(f"PersistentVolumeClaim {source.name!r} (spec.model.source) not found")
+    for secret in spec.get("imagePullSecrets") or []:
+        if not kube.exists(namespace, "secrets", secret):
+            missing.append(f"Secret {secret!r} (spec.imagePullSecrets) not found")
+    return missing
+
+
+def _engine_change(previous: dict[str, Any] | None, engine: dict[str, Any]) -> str:
+    before = {}
+    if previous:
+        try:
+            before = json.loads((previous.get("metadata", {}).get("annotations") or {}).get("pagedmodel.io/engine")
+                                or "{}")
+        except ValueError:
+            before = {}
+    changes = [f"{k} {before.get(k)!r} -> {engine.get(k)!r}" for k in sorted(set(before) | set(engine))
+               if before.get(k) != engine.get(k)]
+    return ", ".join(changes)
+
+
+def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None) -> Outcome:
+    now = now or now_iso()
+    meta = pm["metadata"]
+    model, namespace = meta["name"], meta["namespace"]
+    old_status = pm.get("status") or {}
+    events: list[Event] = []
+    selector = names.selector_string(model, names.ENGINE)
+    spec = with_defaults(pm.get("spec"))
+    errors = [str(e) for e in validate(spec)]
+    if errors:
+        status = compute_status(pm, desired_replicas=0, selector=selector, url="", engine=None,
+                                deployment=None, pods=[], invalid=errors, now=now)
+        if old_status.get("message") != status["message"] or old_status.get("phase") != "Failed":
+            events.append(Event("Warning", "InvalidSpec", status["message"]))
+        return Outcome(status, events)
+
+    observed = observed_from(pm, router_enabled)
+    blocked = missing_dependencies(kube, namespace, spec)
+    engine = effective_engine(spec, observed)
+    applied = [kube.apply(m) for m in desired_state(pm, observed)]
+    created = [f"{a.kind}/{a.name}" for a in applied if a.action == "created"]
+    updated = [a for a in applied if a.action == "updated"]
+    if created:
+        events.append(Event("Normal", "Created", "created " + ", ".join(created)))
+    if updated:
+        events.append(Event("Normal", "Updated", "updated " + ", ".join(f"{a.kind}/{a.name}" for a in updated)))
+    for a in updated:
+        if a.kind == "Deployment" and a.name == names.engine_name(model):
+            change = _engine_change(a.previous, engine)
+            if change:
+                events.append(Event("Normal", "EngineArgsChanged", f"rolling engines: {change}"))
+
+    deployment = kube.get(kube.path("Deployment", namespace, names.engine_name(model)))
+    pods = kube.pods(namespace, selector)
+    status = compute_status(pm, desired_replicas=engine_replicas(spec, observed), selector=selector,
+                            url=service_url(pm), engine={k: v for k, v in sorted(engine.items())},
+                            deployment=deployment, pods=pods, blocked=blocked, now=now)
+    if blocked and (old_status.get("message") != status["message"]):
+        events.append(Event("Warning", "MissingDependency", status["message"]))
+    if old_status.get("phase") != status["phase"] and not blocked:
+        kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
+        events.append(Event(kind, status["phase"], status["message"]))
+    return Outcome(status, events)

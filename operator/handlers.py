@@ -1,0 +1,97 @@
+"""kopf wiring, kept thin: every trigger runs the same reconcile pass (controller.py).
+
+create/update/resume react at once to spec changes and operator restarts; a timer re-runs the pass so
+status follows the children (pods becoming ready, crash loops, rollouts) without watching them. No
+finalizer is added: children carry owner references, so deletion is the garbage collector's job and a
+stopped operator never blocks `kubectl delete pm`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+
+from . import names
+from .children import Kube
+from .controller import reconcile
+
+
+@dataclass
+class OperatorConfig:
+    status_interval_s: float = 10.0
+    router: str = "auto"            # auto | enabled | disabled
+
+
+def router_available() -> bool:
+    """The router subcommand ships in the same image; until it exists the Service targets the engines."""
+    return importlib.util.find_spec("pagedmodel.server.router") is not None
+
+
+def _api_client() -> k8s.ApiClient:
+    try:
+        k8s_config.load_incluster_config()
+        return k8s.ApiClient()
+    except k8s_config.ConfigException:
+        return k8s_config.new_client_from_config()   # $KUBECONFIG or ~/.kube/config
+
+
+def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
+    """Attach the PagedModel handlers to `registry` (a fresh one per operator run)."""
+    state: dict[str, Any] = {}
+    router_enabled = {"enabled": True, "disabled": False}.get(cfg.router)
+    if router_enabled is None:
+        router_enabled = router_available()
+
+    def kube() -> Kube:
+        if "kube" not in state:
+            state["kube"] = Kube(_api_client())
+        return state["kube"]
+
+    def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+        # Progress and diff-base in annotations: the CRD's structural schema would prune a status.kopf field.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=names.GROUP, key="last-handled-configuration")
+        settings.posting.level = logging.INFO
+        settings.watching.server_timeout = 60
+        logger.info("router %s", "enabled" if router_enabled else "not available: the Service selects the engines")
+
+    def run_pass(body: Any, patch: kopf.Patch, logger: logging.Logger) -> None:
+        pm = {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
+              "status": dict(body.get("status") or {})}
+        outcome = reconcile(kube(), _plain(pm), router_enabled=router_enabled)
+        for event in outcome.events:
+            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+            logger.info("%s: %s", event.reason, event.message)
+        old = body.get("status") or {}
+        changed = {k: v for k, v in outcome.status.items() if old.get(k) != v}
+        if changed:
+            patch.status.update(changed)
+
+    def on_change(body: Any, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+        run_pass(body, patch, logger)
+
+    def on_timer(body: Any, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+        run_pass(body, patch, logger)
+
+    kopf.on.startup(registry=registry)(startup)
+    resource = (names.GROUP, names.VERSION, names.PLURAL)
+    kopf.on.create(*resource, registry=registry, id="reconcile")(on_change)
+    kopf.on.update(*resource, registry=registry, id="reconcile", field="spec")(on_change)
+    kopf.on.resume(*resource, registry=registry, id="reconcile")(on_change)
+    kopf.timer(*resource, registry=registry, id="status", interval=cfg.status_interval_s,
+               initial_delay=cfg.status_interval_s)(on_timer)
+
+
+def _plain(value: Any) -> Any:
+    """kopf's bodies are mapping views; the pure code wants plain dicts and lists."""
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

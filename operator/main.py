@@ -1,0 +1,37 @@
+"""`pagedmodel operator`: run the PagedModel operator (kopf) for some namespaces or the whole cluster."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from .handlers import OperatorConfig, register
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
+                       help="watch this namespace (repeatable; globs like 'team-*' allowed)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    parser.add_argument("--status-interval", type=float, default=10.0, metavar="S",
+                        help="seconds between status refreshes of each PagedModel (default 10)")
+    parser.add_argument("--router", choices=["auto", "enabled", "disabled"], default="auto",
+                        help="deploy `pagedmodel router` in front of the engines (auto: when this build has it)")
+    parser.add_argument("--liveness", metavar="URL", default=None,
+                        help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    if args.status_interval <= 0:
+        raise SystemExit("pagedmodel operator: --status-interval must be > 0")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    registry = kopf.OperatorRegistry()
+    register(registry, OperatorConfig(status_interval_s=args.status_interval, router=args.router))
+    namespaces = list(args.namespace)
+    # standalone: one replica (Recreate) and no peering CRD, so nothing beyond our CRD must be installed.
+    kopf.run(registry=registry, standalone=True, clusterwide=not namespaces, namespaces=namespaces,
+             liveness_endpoint=args.liveness)
+    return 0
