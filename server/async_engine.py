@@ -114,6 +114,11 @@ class RequestGroup:
             yield idx, item
 
 
+def _deliver(items: list[tuple[RequestGroup, tuple[int, RequestOutput]]]) -> None:
+    for group, item in items:
+        group.queue.put_nowait(item)
+
+
 @dataclass
 class _Add:
     group: RequestGroup
@@ -289,6 +294,8 @@ class AsyncEngine:
                         self.observer.on_step(outputs, self.last_stats, now)
                     except Exception:
                         logger.exception("metrics observer failed")
+                # One wake-up of the event loop per step, not one per request (each is a self-pipe write).
+                batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestGroup, tuple[int, RequestOutput]]]] = {}
                 for out in outputs:
                     group = self._groups.get(out.request_id)
                     if group is None:
@@ -296,7 +303,12 @@ class AsyncEngine:
                     if out.finished:
                         del self._groups[out.request_id]
                     idx = next(s.prompt_index for s in group.subs if s.request_id == out.request_id)
-                    group._post((idx, out))
+                    batches.setdefault(group.loop, []).append((group, (idx, out)))
+                for loop, items in batches.items():
+                    try:
+                        loop.call_soon_threadsafe(_deliver, items)
+                    except RuntimeError:
+                        pass  # that event loop is closed: nobody is listening any more
             reason: BaseException = EngineDeadError("server is shutting down")
         except BaseException as exc:  # noqa: BLE001 - the loop must report any death, then stop
             logger.exception("engine loop died")
