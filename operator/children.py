@@ -8,6 +8,7 @@ a concurrent writer yields a 409 and the next pass retries), keeping fields the 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -45,10 +46,17 @@ class Kube:
         self.api = api
 
     def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None) -> Any:
-        return self.api.call_api(path, method, query_params=query or [], body=body,
-                                 header_params={"Accept": "application/json", "Content-Type": "application/json"},
-                                 response_type="object", auth_settings=["BearerToken"],
-                                 _return_http_data_only=True, _preload_content=True)
+        # kubernetes>=35 generates param_serialize/call_api; serialising here keeps auth and host handling its own.
+        _method, url, headers, payload, _ = self.api.param_serialize(
+            method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
+            header_params={"Accept": "application/json", "Content-Type": "application/json"})
+        response = self.api.call_api(_method, url, header_params=headers, body=payload, _request_timeout=30)
+        response.read()
+        data = response.data or b""
+        if not 200 <= response.status < 300:
+            raise ApiException(status=response.status, reason=response.reason,
+                               http_resp=None) if not data else _api_error(response.status, response.reason, data)
+        return json.loads(data) if data else None
 
     @staticmethod
     def path(kind: str, namespace: str, name: str | None = None) -> str:
@@ -95,3 +103,9 @@ class Kube:
                     body["spec"][key] = live["spec"][key]
         self._call("PUT", self.path(kind, namespace, name), body)
         return Applied(kind, name, "updated", live)
+
+
+def _api_error(status: int, reason: str | None, data: bytes) -> ApiException:
+    exc = ApiException(status=status, reason=reason)
+    exc.body = data.decode("utf-8", "replace")
+    return exc

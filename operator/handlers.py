@@ -79,6 +79,11 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     def on_timer(body: Any, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
         run_pass(body, patch, logger)
 
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # A fresh registry has none of kopf's default login handlers: in-cluster first, then $KUBECONFIG.
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    kopf.on.login(registry=registry)(login)
     kopf.on.startup(registry=registry)(startup)
     resource = (names.GROUP, names.VERSION, names.PLURAL)
     kopf.on.create(*resource, registry=registry, id="reconcile")(on_change)

@@ -57,6 +57,7 @@ def effective_engine(spec: dict[str, Any], observed: Observed) -> dict[str, Any]
     """spec.engine with the tuner's overrides on top, and device resolved against the GPU count."""
     engine = dict(spec["engine"])
     engine.update({k: v for k, v in observed.tuned.items() if k in TUNABLE})
+    engine["extraArgs"] = list(engine.get("extraArgs") or [])
     if engine.get("device", "auto") == "auto":
         engine["device"] = "cuda" if spec["resources"]["gpus"] > 0 else "cpu"
     return engine
@@ -181,7 +182,6 @@ def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
     resources = _resources(spec["resources"])
     if resources:
         container["resources"] = resources
-    effective = {k: engine[k] for k in sorted(engine) if k != "extraArgs"} | {"extraArgs": engine.get("extraArgs") or []}
     template_hash = config_hash({"image": spec["image"], "args": args, "resources": resources})
     annotations = {names.ANNOTATION_CONFIG_HASH: template_hash, "prometheus.io/scrape": "true",
                    "prometheus.io/port": str(names.ENGINE_PORT), "prometheus.io/path": "/metrics"}
@@ -189,7 +189,7 @@ def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {**_metadata(pm, names.engine_name(model), names.ENGINE),
-                     "annotations": {"pagedmodel.io/engine": json.dumps(effective, sort_keys=True)}},
+                     "annotations": {"pagedmodel.io/engine": json.dumps(engine, sort_keys=True)}},
         "spec": {
             "replicas": engine_replicas(spec, observed),
             "selector": {"matchLabels": names.selector_labels(model, names.ENGINE)},
