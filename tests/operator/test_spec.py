@@ -1,0 +1,98 @@
+"""spec.py: defaults agree with the CRD, model sources parse, cross-field rules name the field."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pagedmodel.operator.spec import DEFAULTS, ModelSource, parse_source, validate, with_defaults
+
+
+def _crd_defaults(schema: dict[str, Any]) -> dict[str, Any]:
+    """The defaults the API server would fill into an empty spec (one level of nested objects)."""
+    out: dict[str, Any] = {}
+    for key, sub in schema["properties"]["spec"]["properties"].items():
+        if "default" in sub and sub.get("type") != "object":
+            out[key] = sub["default"]
+        elif sub.get("type") == "object":
+            nested = {k: v["default"] for k, v in (sub.get("properties") or {}).items() if "default" in v}
+            if nested or "default" in sub:
+                out[key] = nested
+    return out
+
+
+def test_python_defaults_mirror_the_crd(crd_schema):
+    crd = _crd_defaults(crd_schema)
+    ours = {k: v for k, v in DEFAULTS.items() if v != {}}
+    crd = {k: v for k, v in crd.items() if v != {}}
+    assert ours == crd
+
+
+def test_with_defaults_fills_only_absent_fields_and_copies():
+    spec = {"model": {"source": "builtin://smollm2"}, "engine": {"maxNumSeqs": 8}, "replicas": 0}
+    out = with_defaults(spec)
+    assert out["engine"]["maxNumSeqs"] == 8 and out["engine"]["blockSize"] == 16
+    assert out["replicas"] == 0 and out["router"]["strategy"] == "kv-aware"
+    out["engine"]["maxNumSeqs"] = 99
+    assert spec["engine"] == {"maxNumSeqs": 8}          # the input is never mutated
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("builtin://smollm2", ModelSource("builtin", "smollm2")),
+    ("pvc://weights/llama/3b", ModelSource("pvc", "weights", "llama/3b")),
+    ("pvc://weights", ModelSource("pvc", "weights", "")),
+    ("hf://HuggingFaceTB/SmolLM2-135M-Instruct", ModelSource("hf", "HuggingFaceTB/SmolLM2-135M-Instruct")),
+])
+def test_parse_source(source, expected):
+    assert parse_source(source) == expected
+
+
+@pytest.mark.parametrize("source, needle", [
+    ("s3://bucket/model", "is not builtin://"),
+    ("pvc://Bad_Name/x", "not a valid Kubernetes name"),
+    ("pvc://weights/../etc", "must not contain '..'"),
+    ("hf://just-a-name", "must be ORG/NAME"),
+    ("", "is not builtin://"),
+])
+def test_parse_source_rejects(source, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("/", "/")):
+        parse_source(source)
+
+
+def test_valid_specs_have_no_errors():
+    assert validate(with_defaults({"model": {"source": "builtin://smollm2"}})) == []
+    full = {"model": {"source": "pvc://w/m", "servedName": "m"}, "engine": {"maxModelLen": 4096,
+            "maxNumBatchedTokens": 8192, "extraArgs": ["--log-level=debug"], "device": "cuda"},
+            "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 2},
+            "tuning": {"mode": "Auto", "maxNumSeqs": {"min": 16, "max": 16}, "blockSizes": [8, 16]}}
+    assert validate(with_defaults(full)) == []
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"model": {"source": "ftp://x"}}, "spec.model.source"),
+    ({"model": {}}, "spec.model.source"),
+    ({"engine": {"blockSize": 12}}, "spec.engine.blockSize"),
+    ({"engine": {"maxNumSeqs": 0}}, "spec.engine.maxNumSeqs"),
+    ({"engine": {"maxNumSeqs": "8"}}, "spec.engine.maxNumSeqs"),
+    ({"engine": {"gpuMemoryUtilization": 0}}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine": {"gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine": {"maxModelLen": 8}}, "spec.engine.maxModelLen"),
+    ({"engine": {"tensorParallelSize": 2}}, "spec.engine.tensorParallelSize"),
+    ({"engine": {"extraArgs": ["--max-num-seqs=4"]}}, "spec.engine.extraArgs[0]"),
+    ({"engine": {"device": "cuda"}, "resources": {"gpus": 0}}, "spec.engine.device"),
+    ({"replicas": -1}, "spec.replicas"),
+    ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
+    ({"autoscaling": {"targetKVCacheUsage": 0}}, "spec.autoscaling.targetKVCacheUsage"),
+    ({"tuning": {"mode": False}}, "spec.tuning.mode"),
+    ({"tuning": {"maxNumSeqs": {"min": 64, "max": 16}}}, "spec.tuning.maxNumSeqs.min"),
+    ({"tuning": {"blockSizes": [24]}}, "spec.tuning.blockSizes"),
+    ({"service": {"port": 70000}}, "spec.service.port"),
+    ({"router": "yes"}, "spec.router"),
+])
+def test_invalid_specs_name_the_field(patch, field):
+    spec: dict[str, Any] = {"model": {"source": "builtin://smollm2"}}
+    for key, value in patch.items():
+        spec[key] = value
+    errors = validate(with_defaults(spec))
+    assert field in [e.field for e in errors], errors
+    assert all(str(e).startswith(e.field + ": ") for e in errors)
