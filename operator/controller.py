@@ -13,6 +13,7 @@ from typing import Any
 
 from . import names
 from .children import Kube
+from .metrics import Fetch, aggregate, ready_pod_ips, scrape
 from .reconcile import Observed, desired_state, effective_engine, engine_replicas, service_url
 from .spec import parse_source, validate, with_defaults
 from .status import compute_status
@@ -77,7 +78,9 @@ def _engine_change(previous: dict[str, Any] | None, engine: dict[str, Any]) -> s
     return ", ".join(changes)
 
 
-def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None) -> Outcome:
+def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None,
+              fetch: Fetch | None = None) -> Outcome:
+    """One pass; `fetch` (URL -> text) scrapes the ready engines' metrics into status.metrics when given."""
     now = now or now_iso()
     meta = pm["metadata"]
     model, namespace = meta["name"], meta["namespace"]
@@ -114,6 +117,10 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
     status = compute_status(pm, desired_replicas=engine_replicas(spec, observed), selector=selector,
                             url=service_url(pm), engine={k: v for k, v in sorted(engine.items())},
                             deployment=deployment, pods=pods, blocked=blocked, now=now)
+    if fetch is not None:
+        metrics = aggregate(scrape(ready_pod_ips(pods), names.ENGINE_PORT, fetch), old_status.get("metrics"), now)
+        if metrics is not None:
+            status["metrics"] = metrics
     if blocked and (old_status.get("message") != status["message"]):
         events.append(Event("Warning", "MissingDependency", status["message"]))
     if old_status.get("phase") != status["phase"] and not blocked:

@@ -19,6 +19,7 @@ from kubernetes import config as k8s_config
 from . import names
 from .children import Kube
 from .controller import reconcile
+from .metrics import http_fetch
 
 
 @dataclass
@@ -61,10 +62,11 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         settings.watching.server_timeout = 60
         logger.info("router %s", "enabled" if router_enabled else "not available: the Service selects the engines")
 
-    def run_pass(body: Any, patch: kopf.Patch, logger: logging.Logger) -> None:
+    def run_pass(body: Any, patch: kopf.Patch, logger: logging.Logger, scrape: bool) -> None:
         pm = {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
               "status": dict(body.get("status") or {})}
-        outcome = reconcile(kube(), _plain(pm), router_enabled=router_enabled)
+        outcome = reconcile(kube(), _plain(pm), router_enabled=router_enabled,
+                            fetch=http_fetch if scrape else None)
         for event in outcome.events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message)
             logger.info("%s: %s", event.reason, event.message)
@@ -74,10 +76,10 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             patch.status.update(changed)
 
     def on_change(body: Any, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-        run_pass(body, patch, logger)
+        run_pass(body, patch, logger, scrape=False)     # react fast; the timer scrapes
 
     def on_timer(body: Any, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-        run_pass(body, patch, logger)
+        run_pass(body, patch, logger, scrape=True)
 
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         # A fresh registry has none of kopf's default login handlers: in-cluster first, then $KUBECONFIG.

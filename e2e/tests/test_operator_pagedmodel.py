@@ -132,10 +132,15 @@ def test_pagedmodel_lifecycle(cluster, namespace, pagedmodel_crd, tmp_path):
         assert {c["type"]: c["status"] for c in st["conditions"]} == {
             "Ready": "True", "Available": "True", "Progressing": "False", "Degraded": "False"}
 
-        # Printer columns and short name.
+        # Printer columns (metrics come from the timer's scrape of the engine) and short name.
+        pm = wait_until(lambda: (lambda p: p if "metrics" in p["status"] else None)(pm_json(cluster, namespace)),
+                        timeout=30, what="status.metrics scraped from the engine")
+        assert pm["status"]["metrics"]["stale"] is False and pm["status"]["metrics"]["waiting"] == 0
         table = cluster.kubectl("get", "pm", namespace=namespace).stdout.splitlines()
         assert table[0].split() == ["NAME", "MODEL", "READY", "KV%", "WAITING", "PHASE", "AGE"]
-        assert table[1].split()[:3] == [NAME, "builtin://smollm2", "1/1"] and "Ready" in table[1].split()
+        row = table[1].split()
+        assert row[:3] == [NAME, "builtin://smollm2", "1/1"] and row[4:6] == ["0", "Ready"], table
+        assert row[3].isdigit() and 0 <= int(row[3]) <= 100, table
         assert NAME in cluster.kubectl("get", "pagedmodel", namespace=namespace).stdout   # category works too
 
         # describe: conditions and the operator's events.
