@@ -251,3 +251,38 @@ def test_cross_field_rules_fail_with_an_event(cluster, namespace, pagedmodel_crd
             assert evs[0]["type"] == "Warning" and field in evs[0]["message"]
             assert cluster.kubectl_json("get", "deployments", namespace=namespace)["items"] == []
             assert f"InvalidSpec" in cluster.kubectl("describe", "pm", name, namespace=namespace).stdout
+
+
+def test_status_explains_crash_loops_unschedulable_pods_and_scale(cluster, namespace, pagedmodel_crd, tmp_path):
+    cheap = {"model": OK_MODEL, "engine": {"device": "cpu"}, "resources": {"gpus": 0}}
+    crashing = {**cheap, "engine": {"device": "cpu", "extraArgs": ["--no-such-flag"]}}   # serve exits 2 at once
+    greedy = {"model": OK_MODEL, "resources": {"gpus": 4}}                               # the node has 1 GPU
+    with operator(cluster, namespace, tmp_path / "operator.log"):
+        cluster.kubectl("apply", "-f", "-", stdin=_pm(crashing, "crashing") + "---\n" + _pm(greedy, "greedy"),
+                        namespace=namespace)
+
+        pm = wait_phase(cluster, namespace, "Degraded", name="crashing", timeout=90)
+        degraded = next(c for c in pm["status"]["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "True" and degraded["reason"] in ("CrashLoopBackOff", "Restarting", "Error")
+        assert "pod crashing-engine-" in pm["status"]["message"]
+        assert "Degraded" in cluster.kubectl("describe", "pm", "crashing", namespace=namespace).stdout
+
+        pm = wait_until(lambda: (lambda p: p if "Insufficient nvidia.com/gpu" in (p.get("status") or {})
+                                 .get("message", "") else None)(pm_json(cluster, namespace, "greedy")),
+                        timeout=60, what="unschedulable reason in status")
+        assert pm["status"]["phase"] == "Progressing" and pm["status"]["ready"] == "0/1"
+
+        # The scale subresource drives spec.replicas; 0 replicas is Pending/ScaledToZero, not an error.
+        cluster.kubectl("scale", "pm", "greedy", "--replicas=0", namespace=namespace)
+        pm = wait_phase(cluster, namespace, "Pending", name="greedy", generation=2, timeout=30)
+        assert pm["spec"]["replicas"] == 0 and pm["status"]["ready"] == "0/0"
+        wait_until(lambda: cluster.kubectl_json("get", "deployment", "greedy-engine", namespace=namespace)
+                   ["spec"]["replicas"] == 0, timeout=30, what="engine Deployment scaled to 0")
+
+
+def test_kubectl_explain_reads_well(cluster, pagedmodel_crd):
+    out = cluster.kubectl("explain", "pm.spec.engine").stdout
+    assert "Flags of `pagedmodel serve`" in out
+    for field in ("blockSize", "maxNumSeqs", "gpuMemoryUtilization", "enablePrefixCaching", "extraArgs"):
+        assert field in out, out
+    assert "Most sequences batched in one engine step" in cluster.kubectl("explain", "pm.spec.engine.maxNumSeqs").stdout
