@@ -22,6 +22,9 @@ from .controller import reconcile
 from .metrics import http_fetch
 
 
+RETRY_BACKOFF_S = 5.0
+
+
 @dataclass
 class OperatorConfig:
     status_interval_s: float = 10.0
@@ -88,9 +91,10 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     kopf.on.login(registry=registry)(login)
     kopf.on.startup(registry=registry)(startup)
     resource = (names.GROUP, names.VERSION, names.PLURAL)
-    kopf.on.create(*resource, registry=registry, id="reconcile")(on_change)
-    kopf.on.update(*resource, registry=registry, id="reconcile", field="spec")(on_change)
-    kopf.on.resume(*resource, registry=registry, id="reconcile")(on_change)
+    # API errors (a 409 from a concurrent writer, a flaky connection) retry soon, not after kopf's default minute.
+    kopf.on.create(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_S)(on_change)
+    kopf.on.update(*resource, registry=registry, id="reconcile", field="spec", backoff=RETRY_BACKOFF_S)(on_change)
+    kopf.on.resume(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_S)(on_change)
     kopf.timer(*resource, registry=registry, id="status", interval=cfg.status_interval_s,
                initial_delay=cfg.status_interval_s)(on_timer)
 
