@@ -297,6 +297,20 @@ def _completion_logprobs(serving: OpenAIServing, token_ids: list[int], logprobs:
     return out
 
 
+def _prepend_prompt_logprobs(serving: OpenAIServing, prompt_ids: list[int],
+                             prompt_logprobs: list[dict[int, float] | None] | None, top_n: int,
+                             completion: CompletionLogprobs) -> CompletionLogprobs:
+    """The echoed prompt's tokens with their logprobs (the first token has none), then the completion's."""
+    entries = [e or {} for e in (prompt_logprobs or [None] * len(prompt_ids))]
+    out = _completion_logprobs(serving, prompt_ids, entries, top_n, 0)
+    out.top_logprobs[0] = None
+    out.tokens += completion.tokens
+    out.text_offset += completion.text_offset
+    out.token_logprobs += completion.token_logprobs
+    out.top_logprobs += completion.top_logprobs
+    return out
+
+
 async def create_completion(serving: OpenAIServing, request: Request) -> Response:
     req = await serving.parse_body(request, CompletionRequest)
     params, tokenized = await _prepare_completion(serving, req)
@@ -320,6 +334,8 @@ async def create_completion(serving: OpenAIServing, request: Request) -> Respons
             lp = None
             if req.logprobs is not None:
                 lp = _completion_logprobs(serving, o.token_ids, o.logprobs, top_n, len(prompt_text))
+                if req.echo:
+                    lp = _prepend_prompt_logprobs(serving, ids, final[p_idx].prompt_logprobs, top_n, lp)
             choices.append(CompletionChoice(index=p_idx * params.n + o.index, text=prompt_text + o.text, logprobs=lp,
                                             finish_reason=o.finish_reason, stop_reason=o.stop_reason))
     prompt_tokens = sum(len(ids) for ids, _ in tokenized)
@@ -403,13 +419,23 @@ def _stream_completion(serving: OpenAIServing, request: Request, req: Completion
                 id=request_id, created=created, model=model,
                 choices=[CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=finish, stop_reason=stop)]))
 
+        echo_text = [""] * len(tokenized)
         if req.echo:   # the prompt text opens every choice
             for p_idx, (ids, text) in enumerate(tokenized):
-                prompt_text = text if text is not None else serving._dec_tokenizer.decode(ids)
-                echo_len[p_idx] = len(prompt_text)
-                for j in range(n):
-                    yield chunk(p_idx * n + j, prompt_text, None, None, None)
+                echo_text[p_idx] = text if text is not None else serving._dec_tokenizer.decode(ids)
+                echo_len[p_idx] = len(echo_text[p_idx])
+                if req.logprobs is None:
+                    for j in range(n):
+                        yield chunk(p_idx * n + j, echo_text[p_idx], None, None, None)
+        # with logprobs, the echo waits for the prompt's logprobs, which come with the first output
+        echo_pending = set(range(len(tokenized))) if req.echo and req.logprobs is not None else set()
         async for p_idx, out in group.outputs():
+            if p_idx in echo_pending:
+                echo_pending.discard(p_idx)
+                plp = _prepend_prompt_logprobs(serving, tokenized[p_idx][0], out.prompt_logprobs, top_n,
+                                               CompletionLogprobs())
+                for j in range(n):
+                    yield chunk(p_idx * n + j, echo_text[p_idx], plp, None, None)
             for o in out.outputs:
                 idx = p_idx * n + o.index
                 delta, new_ids, new_lp, offset = tracker.advance(idx, o)

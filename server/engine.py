@@ -237,6 +237,8 @@ class LLMEngine:
                               RequestMetrics(arrival_time if arrival_time is not None else time.time()),
                               priority=priority, seed=seed, cache_salt=(cache_salt or "").encode())
         init_offsets(group.seqs[0])
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]   # nothing scores the first prompt token
         if params.use_beam_search:
             limit = self.max_model_len - len(ids)
             search = BeamSearch(params.best_of, params.length_penalty, params.early_stopping,
@@ -271,7 +273,9 @@ class LLMEngine:
                 self.prompt_tokens_total += len(group.prompt_token_ids)
         if sched.is_empty:
             return []
-        logits = self.runner.execute(sched)
+        logits, prompt_logprobs = self.runner.execute(sched)
+        for i, start, logprobs in prompt_logprobs:
+            self._record_prompt_logprobs(sched.scheduled[i], start, logprobs)
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
         sampling: list[tuple[ScheduledSequence, Sequence]] = []
@@ -331,6 +335,20 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _record_prompt_logprobs(self, s: ScheduledSequence, start: int, logprobs: torch.Tensor) -> None:
+        group, seq = s.group, s.seq
+        k = group.params.prompt_logprobs
+        targets = torch.tensor(seq.token_ids[start + 1:start + 1 + len(logprobs)], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top = torch.topk(logprobs, k) if k else None
+        for j, (token, lp) in enumerate(zip(targets.tolist(), chosen)):
+            if len(group.prompt_logprobs) != start + 1 + j:
+                continue   # already recorded (a recomputed prompt scores the same tokens again)
+            entry = {token: lp}
+            if top is not None:
+                entry.update({int(t): float(v) for t, v in zip(top.indices[j].tolist(), top.values[j].tolist())})
+            group.prompt_logprobs.append(entry)
 
     def _beam_output(self, group: SequenceGroup, beams: BeamGroup) -> RequestOutput | None:
         if beams.hypotheses is None:
@@ -418,6 +436,7 @@ class LLMEngine:
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
                              group.metrics, num_cached_tokens=group.num_cached_tokens,
+                             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
                              new_token_counts=[new_counts.get(s.seq_id, 0) for s in seqs])
 
     # ---- observability -------------------------------------------------------------------------

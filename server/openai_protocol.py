@@ -57,7 +57,8 @@ class _SamplingRequest(BaseModel):
     user: StrictStr | None = None
     logit_bias: dict[str, Number] | None = None
 
-    def _base_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _base_params(self, *, max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
         """Build and validate SamplingParams; raises SamplingParamsError naming the bad field."""
         if self.logit_bias:
             raise SamplingParamsError("logit_bias is not supported", "logit_bias")
@@ -79,7 +80,7 @@ class _SamplingRequest(BaseModel):
             seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
         return SamplingParams(**kwargs)
@@ -114,10 +115,9 @@ class CompletionRequest(_SamplingRequest):
             raise SamplingParamsError("suffix is not supported", "suffix")
         # OpenAI's completions default is 16 tokens.
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        if self.echo and self.logprobs is not None:
-            # OpenAI would return logprobs for the echoed prompt too; the engine does not compute them.
-            raise SamplingParamsError("echo together with logprobs is not supported (no prompt logprobs)", "echo")
-        return self._base_params(max_tokens=max_tokens, logprobs=self.logprobs)
+        # echo + logprobs: the echoed prompt's tokens carry logprobs too, as OpenAI returns them
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._base_params(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class TextContentPart(BaseModel):

@@ -184,7 +184,8 @@ class Scheduler:
             hits: list[int] = []
             fits = True
             for seq in seqs:
-                cached = self.bm.match_prefix(seq, group.cache_salt) if seq.num_computed_tokens == 0 else []
+                cached = ([] if seq.num_computed_tokens or group.params.prompt_logprobs is not None  # cached
+                          else self.bm.match_prefix(seq, group.cache_salt))                 # tokens have no logits
                 num_cached = len(cached) * self.bm.block_size
                 num_new = min(seq.num_tokens - max(num_cached, seq.num_computed_tokens), budget)
                 if num_new <= 0:

@@ -102,6 +102,7 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_order))
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # filled when params.prompt_logprobs is set
 
     def __post_init__(self) -> None:
         if not self.seqs:

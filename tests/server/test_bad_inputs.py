@@ -62,7 +62,7 @@ CASES: list[tuple[str, str, str, bytes | None, str | None, int, str | None]] = [
     ("stream-options-without-stream", "POST", C, comp(stream_options={"include_usage": True}), None, 400,
      "stream_options"),
     ("logprobs-too-many", "POST", C, comp(logprobs=100), None, 400, "logprobs"),
-    ("echo-with-logprobs", "POST", C, comp(echo=True, logprobs=1), None, 400, "echo"),
+    ("echo-with-logprobs-too-many", "POST", C, comp(echo=True, logprobs=21), None, 400, "logprobs"),
     ("enormous-stop-list", "POST", C, comp(stop=[f"s{i}" for i in range(5000)]), None, 400, "stop"),
     ("stop-string-too-long", "POST", C, comp(stop=["x" * 10000]), None, 400, "stop"),
     ("stop-wrong-type", "POST", C, comp(stop=[1, 2]), None, 400, "stop.0"),

@@ -225,3 +225,25 @@ def test_streamed_stop_string_and_n2_match_unstreamed(client: openai.OpenAI) -> 
                 finishes[ch.index] = ch.finish_reason
     assert texts == {c.index: c.text for c in unstreamed.choices}
     assert finishes == {0: "length", 1: "length"}
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client: openai.OpenAI) -> None:
+    kw = dict(model=MODEL, prompt="Hello world, how are you", max_tokens=3, temperature=0, echo=True, logprobs=2)
+    full = client.completions.create(**kw).choices[0]
+    lp = full.logprobs
+    prompt_len = client.completions.create(model=MODEL, prompt=kw["prompt"], max_tokens=1).usage.prompt_tokens
+    assert full.text.startswith("Hello world, how are you")
+    assert len(lp.tokens) == len(lp.token_logprobs) == prompt_len + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None   # nothing scores the first token
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+    streamed_lps: list = []
+    text = ""
+    for ev in client.completions.create(stream=True, **kw):
+        ch = ev.choices[0]
+        text += ch.text
+        if ch.logprobs:
+            streamed_lps += ch.logprobs.token_logprobs
+    assert text == full.text
+    assert streamed_lps[0] is None
+    assert streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
