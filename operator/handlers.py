@@ -92,9 +92,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     kopf.on.startup(registry=registry)(startup)
     resource = (names.GROUP, names.VERSION, names.PLURAL)
     # API errors (a 409 from a concurrent writer, a flaky connection) retry soon, not after kopf's default minute.
-    kopf.on.create(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_S)(on_change)
-    kopf.on.update(*resource, registry=registry, id="reconcile", field="spec", backoff=RETRY_BACKOFF_S)(on_change)
-    kopf.on.resume(*resource, registry=registry, id="reconcile", backoff=RETRY_BACKOFF_S)(on_change)
+    kopf.on.create(*resource, registry=registry, id="create", backoff=RETRY_BACKOFF_S)(on_change)
+    kopf.on.update(*resource, registry=registry, id="update", field="spec", backoff=RETRY_BACKOFF_S)(on_change)
+    kopf.on.resume(*resource, registry=registry, id="resume", backoff=RETRY_BACKOFF_S)(on_change)
     kopf.timer(*resource, registry=registry, id="status", interval=cfg.status_interval_s,
                initial_delay=cfg.status_interval_s)(on_timer)
 
