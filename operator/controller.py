@@ -36,7 +36,7 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def observed_from(pm: dict[str, Any], router_enabled: bool) -> Observed:
+def observed_from(pm: dict[str, Any], router_enabled: bool, bind_host: str = "0.0.0.0") -> Observed:
     """What the desired state depends on besides the spec: tuner overrides and the autoscaler's count."""
     meta, status = pm.get("metadata") or {}, pm.get("status") or {}
     tuned: dict[str, Any] = {}
@@ -50,7 +50,7 @@ def observed_from(pm: dict[str, Any], router_enabled: bool) -> Observed:
     auto = ((pm.get("spec") or {}).get("autoscaling") or {}).get("enabled")
     replicas = status.get("desiredReplicas") if auto else None
     return Observed(engine_replicas=replicas if isinstance(replicas, int) else None, tuned=tuned,
-                    router_enabled=router_enabled)
+                    router_enabled=router_enabled, bind_host=bind_host)
 
 
 def missing_dependencies(kube: Kube, namespace: str, spec: dict[str, Any]) -> list[str]:
@@ -79,7 +79,7 @@ def _engine_change(previous: dict[str, Any] | None, engine: dict[str, Any]) -> s
 
 
 def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None,
-              fetch: Fetch | None = None) -> Outcome:
+              fetch: Fetch | None = None, bind_host: str = "0.0.0.0") -> Outcome:
     """One pass; `fetch` (URL -> text) scrapes the ready engines' metrics into status.metrics when given."""
     now = now or now_iso()
     meta = pm["metadata"]
@@ -96,7 +96,7 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
             events.append(Event("Warning", "InvalidSpec", status["message"]))
         return Outcome(status, events)
 
-    observed = observed_from(pm, router_enabled)
+    observed = observed_from(pm, router_enabled, bind_host)
     blocked = missing_dependencies(kube, namespace, spec)
     engine = effective_engine(spec, observed)
     applied = [kube.apply(m) for m in desired_state(pm, observed)]

@@ -29,6 +29,7 @@ RETRY_BACKOFF_S = 5.0
 class OperatorConfig:
     status_interval_s: float = 10.0
     router: str = "auto"            # auto | enabled | disabled
+    bind: str = "all"               # all: pods listen on 0.0.0.0 | pod-ip: on $(POD_IP) only
 
 
 def router_available() -> bool:
@@ -51,6 +52,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     if router_enabled is None:
         router_enabled = router_available()
 
+    bind_host = {"all": "0.0.0.0", "pod-ip": "$(POD_IP)"}[cfg.bind]
+
     def kube() -> Kube:
         if "kube" not in state:
             state["kube"] = Kube(_api_client())
@@ -69,7 +72,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         pm = {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
               "status": dict(body.get("status") or {})}
         outcome = reconcile(kube(), _plain(pm), router_enabled=router_enabled,
-                            fetch=http_fetch if scrape else None)
+                            fetch=http_fetch if scrape else None, bind_host=bind_host)
         for event in outcome.events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message)
             logger.info("%s: %s", event.reason, event.message)

@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between status refreshes of each PagedModel (default 10)")
     parser.add_argument("--router", choices=["auto", "enabled", "disabled"], default="auto",
                         help="deploy `pagedmodel router` in front of the engines (auto: when this build has it)")
+    parser.add_argument("--pod-bind", choices=["all", "pod-ip"], default="all",
+                        help="engines and routers listen on 0.0.0.0 (all) or only on their pod IP (pod-ip: for "
+                             "nodes whose pods share a network namespace, like the e2e kubelet)")
     parser.add_argument("--liveness", metavar="URL", default=None,
                         help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -29,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     registry = kopf.OperatorRegistry()
-    register(registry, OperatorConfig(status_interval_s=args.status_interval, router=args.router))
+    register(registry, OperatorConfig(status_interval_s=args.status_interval, router=args.router,
+                                             bind=args.pod_bind))
     namespaces = list(args.namespace)
     # standalone: one replica (Recreate) and no peering CRD, so nothing beyond our CRD must be installed.
     kopf.run(registry=registry, standalone=True, clusterwide=not namespaces, namespaces=namespaces,

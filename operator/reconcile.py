@@ -40,11 +40,14 @@ class Observed:
     tuned: engine overrides from the tuner (camelCase spec.engine keys), applied over the spec.
     router_enabled: whether `pagedmodel router` exists in this build; without it the public Service
     selects the engines directly and the router Deployment is kept at 0 replicas.
+    bind_host: what engines and routers listen on: 0.0.0.0 on real clusters (kubectl port-forward dials
+    127.0.0.1 inside the pod), "$(POD_IP)" where pods share one network namespace (the e2e kubelet).
     """
 
     engine_replicas: int | None = None
     tuned: dict[str, Any] = field(default_factory=dict)
     router_enabled: bool = False
+    bind_host: str = "0.0.0.0"
 
 
 def owner_reference(pm: dict[str, Any]) -> dict[str, Any]:
@@ -63,8 +66,10 @@ def effective_engine(spec: dict[str, Any], observed: Observed) -> dict[str, Any]
     return engine
 
 
-def engine_args(pm: dict[str, Any], spec: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+def engine_args(pm: dict[str, Any], spec: dict[str, Any], engine: dict[str, Any],
+                observed: Observed | None = None) -> list[str]:
     """`pagedmodel serve` flags, in a fixed order so equal specs give equal pod templates."""
+    observed = observed or Observed()
     source = parse_source(spec["model"]["source"])
     if source.scheme == "pvc":
         model = f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
@@ -72,7 +77,7 @@ def engine_args(pm: dict[str, Any], spec: dict[str, Any], engine: dict[str, Any]
         model = source.name            # builtin name or hub id: `serve --model` resolves both
     served = spec["model"].get("servedName") or pm["metadata"]["name"]
     args = ["--model", model, "--served-model-name", served,
-            "--host", "$(POD_IP)", "--port", str(names.ENGINE_PORT),
+            "--host", observed.bind_host, "--port", str(names.ENGINE_PORT),
             "--block-size", str(engine["blockSize"]), "--max-num-seqs", str(engine["maxNumSeqs"])]
     for key, flag in (("maxModelLen", "--max-model-len"), ("maxNumBatchedTokens", "--max-num-batched-tokens")):
         if engine.get(key) is not None:
@@ -150,7 +155,7 @@ def _metadata(pm: dict[str, Any], name: str, component: str) -> dict[str, Any]:
 def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) -> dict[str, Any]:
     model = pm["metadata"]["name"]
     engine = effective_engine(spec, observed)
-    args = engine_args(pm, spec, engine)
+    args = engine_args(pm, spec, engine, observed)
     source = parse_source(spec["model"]["source"])
     http = {"path": "/health", "port": "http"}
     volumes = [{"name": "tmp", "emptyDir": {}}]
@@ -226,10 +231,10 @@ def engine_pdb(pm: dict[str, Any]) -> dict[str, Any]:
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(model, names.ENGINE)}}}
 
 
-def router_args(pm: dict[str, Any], spec: dict[str, Any]) -> list[str]:
+def router_args(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) -> list[str]:
     router = spec["router"]
     model = pm["metadata"]["name"]
-    args = ["--host", "$(POD_IP)", "--port", str(names.ENGINE_PORT),
+    args = ["--host", observed.bind_host, "--port", str(names.ENGINE_PORT),
             "--discover", names.selector_string(model, names.ENGINE), "--strategy", router["strategy"],
             "--max-queue-len", str(router["maxQueueLength"]), "--queue-timeout", _num(router["queueTimeoutSeconds"])]
     if router.get("rateLimit"):
@@ -261,7 +266,7 @@ def router_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
     http = {"path": "/health", "port": "http"}
     container = {
         "name": "router", "image": spec["image"], "imagePullPolicy": spec["imagePullPolicy"],
-        "command": ["pagedmodel", "router"], "args": router_args(pm, spec),
+        "command": ["pagedmodel", "router"], "args": router_args(pm, spec, observed),
         "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": "http", "containerPort": names.ENGINE_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": http, **READINESS},

@@ -25,6 +25,7 @@ def test_helm_install_runs_a_working_operator(cluster, namespace, release, local
     # Locally the operator pod is a process on this machine: it reaches the emulator through the test's
     # kubeconfig (no service-account token is mounted) and runs this interpreter's `pagedmodel`.
     values = {"watchNamespaces": [namespace], "statusInterval": 1, "router": "disabled", "logLevel": "debug",
+              "podBind": "pod-ip",
               "extraEnv": [{"name": "KUBECONFIG", "value": str(cluster.kubeconfig)},
                            {"name": "OMP_NUM_THREADS", "value": "1"},
                            {"name": "PATH", "value": f"{Path(sys.executable).parent}:/usr/bin:/bin"}]}

@@ -40,7 +40,9 @@ def operator(cluster, namespace: str, log: Path) -> Iterator[subprocess.Popen[by
     env = dict(cluster.env(), OMP_NUM_THREADS="1")
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.server.cli", "operator", "-n", namespace,
-                                 "--status-interval", "1", "--router", "disabled"],
+                                 "--status-interval", "1", "--router", "disabled",
+                                 # local pods share the host's network: each must bind only its own address
+                                 "--pod-bind", "pod-ip" if cluster.is_local else "all"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield proc

@@ -48,7 +48,7 @@ def test_default_render_is_cluster_wide_with_one_recreate_replica():
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
     c = operator_container(docs)
     assert c["command"] == ["pagedmodel", "operator"] and c["image"] == "ghcr.io/pagedmodel/pagedmodel:0.1.0"
-    assert c["args"] == ["--all-namespaces", "--log-level=info", "--status-interval=10", "--router=auto",
+    assert c["args"] == ["--all-namespaces", "--log-level=info", "--status-interval=10", "--router=auto", "--pod-bind=all",
                          "--liveness=http://$(POD_IP):8080/healthz"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -62,6 +62,7 @@ def test_full_values_render_namespaced_rbac_and_every_option():
     c = operator_container(docs)
     assert c["image"] == "registry.example.com/ml/pagedmodel:0.1.0-cuda12" and c["imagePullPolicy"] == "Always"
     assert c["args"][:2] == ["--namespace=team-a", "--namespace=team-b"] and "--router=enabled" in c["args"]
+    assert "--pod-bind=pod-ip" in c["args"]
     assert {"name": "PYTHONWARNINGS", "value": "ignore"} in c["env"]
     pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "pagedmodel-operator" and pod["imagePullSecrets"] == [
@@ -88,7 +89,7 @@ def test_rbac_is_least_privilege():
 
 
 @pytest.mark.parametrize("bad", [
-    {"logLevel": "verbose"}, {"router": "sometimes"}, {"statusInterval": 0}, {"watchNamespaces": ["Bad_NS"]},
+    {"logLevel": "verbose"}, {"router": "sometimes"}, {"statusInterval": 0}, {"podBind": "localhost"}, {"watchNamespaces": ["Bad_NS"]},
     {"image": {"repository": ""}}, {"livenessPort": 70000}, {"unknownKey": 1},
 ])
 def test_values_schema_rejects_bad_values(bad):

@@ -31,6 +31,8 @@ def test_namespaces_and_standalone(monkeypatch):
 def test_cluster_wide_by_default(monkeypatch):
     kw = run_with(monkeypatch, [])
     assert kw["clusterwide"] is True and kw["namespaces"] == [] and kw["liveness_endpoint"] is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["operator", "--pod-bind", "localhost"])
 
 
 def test_bad_flags_fail_clearly(monkeypatch, capsys):

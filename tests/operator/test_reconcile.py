@@ -68,7 +68,7 @@ def test_cpu_engine_flags_are_exactly_the_spec():
     c = container(make_pm(CPU_SPEC))
     assert c["command"] == ["pagedmodel", "serve"]
     assert flags(c["args"]) == {
-        "--model": "smollm2", "--served-model-name": "smol", "--host": "$(POD_IP)", "--port": "8000",
+        "--model": "smollm2", "--served-model-name": "smol", "--host": "0.0.0.0", "--port": "8000",
         "--block-size": "16", "--max-num-seqs": "4", "--max-model-len": "256", "--kv-cache-memory": "16000000",
         "--swap-space": "0", "--dtype": "auto", "--device": "cpu", "--enable-prefix-caching": True}
     assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
@@ -93,6 +93,15 @@ def test_gpu_engine_flags_resources_and_optional_flags():
     pod = engine(make_pm(spec, name="llama"))["spec"]["template"]["spec"]
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+
+
+def test_pod_ip_binding_for_shared_network_nodes():
+    obs = Observed(bind_host="$(POD_IP)", router_enabled=True)
+    manifests = by_kind(desired_state(make_pm(CPU_SPEC), obs))
+    for name in ("smollm2-engine", "smollm2-router"):
+        c = manifests[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        assert flags(c["args"])["--host"] == "$(POD_IP)"
+        assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in c["env"]
 
 
 def test_hf_source_gets_a_writable_hub_cache():
