@@ -62,6 +62,18 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
     return problems
 
 
+def describe(problems: list[PodProblem]) -> str:
+    """One clause per distinct (reason, detail), naming its pods: many replicas failing alike stay readable."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for p in problems:
+        groups.setdefault((p.reason, p.message), []).append(p.pod)
+    parts = []
+    for (reason, message), pods in groups.items():
+        who = f"pod {pods[0]}" if len(pods) == 1 else f"pods {', '.join(pods)}"
+        parts.append(f"{who}: {reason}" + (f" ({message})" if message else ""))
+    return "; ".join(parts)
+
+
 def _condition(previous: dict[str, dict[str, Any]], ctype: str, status: bool, reason: str, message: str,
                generation: int, now: str) -> dict[str, Any]:
     text = "True" if status else "False"
@@ -104,13 +116,13 @@ def compute_status(pm: dict[str, Any], *, desired_replicas: int, selector: str, 
     elif deployment is None:
         phase, reason, message = "Pending", "Creating", "engine Deployment not created yet"
     elif fatal:
-        phase, reason, message = "Degraded", fatal[0].reason, "; ".join(str(p) for p in fatal)
+        phase, reason, message = "Degraded", fatal[0].reason, describe(fatal)
     elif desired_replicas == 0:
         phase, reason, message = "Pending", "ScaledToZero", "0 engine replicas requested"
     elif all_ready:
         phase, reason, message = "Ready", "AllReplicasReady", f"{ready}/{desired_replicas} engines ready"
     else:
-        detail = "; ".join(str(p) for p in problems)
+        detail = describe(problems)
         phase, reason = "Progressing", ("RollingOut" if ready > 0 else "Starting")
         message = f"{ready}/{desired_replicas} engines ready, {updated} updated" + (f"; {detail}" if detail else "")
 

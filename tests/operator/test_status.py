@@ -106,6 +106,13 @@ def test_transition_time_moves_only_when_status_flips():
     assert times == {"Ready": T1, "Available": T1, "Progressing": T1, "Degraded": T0}
 
 
+def test_pods_failing_alike_are_named_in_one_clause():
+    s = status_of(desired=3, dep=deployment(replicas=3, ready=0, updated=3, spec_replicas=3),
+                  pods=[unschedulable("a"), unschedulable("b"), pod("c", ready=False)])
+    assert s["message"] == ("0/3 engines ready, 3 updated; pods a, b: Unschedulable "
+                            "(0/1 nodes are available: 1 Insufficient nvidia.com/gpu.)")
+
+
 def test_status_is_a_pure_function():
     args = dict(dep=deployment(), pods=[pod("a")])
     assert status_of(**args) == status_of(**args)
