@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 DEFAULTS: dict[str, Any] = {
     "image": "ghcr.io/pagedmodel/pagedmodel:0.1.0",
@@ -66,7 +66,7 @@ class ModelSource:
 
 def with_defaults(spec: dict[str, Any] | None) -> dict[str, Any]:
     """A deep copy of spec with every CRD default filled in where the field is absent."""
-    out = copy.deepcopy(spec or {})
+    out = copy.deepcopy(spec) if isinstance(spec, dict) else {}
     for key, default in DEFAULTS.items():
         if isinstance(default, dict):
             section = out.get(key)
@@ -106,20 +106,100 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _int_in(lo: int, hi: int | None = None) -> tuple[Callable[[Any], bool], str]:
+    return ((lambda v: _is_int(v) and v >= lo and (hi is None or v <= hi)),
+            f"must be an integer in [{lo}, {hi}]" if hi is not None else f"must be an integer >= {lo}")
+
+
+def _one_of(*choices: Any) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: any(v == c and type(v) is type(c) for c in choices)), f"must be one of {list(choices)}"
+
+
+_FRACTION = ((lambda v: _is_num(v) and 0 < v <= 1), "must be a number in (0, 1]")
+_NON_NEGATIVE = ((lambda v: _is_num(v) and v >= 0), "must be a number >= 0")
+_POSITIVE = ((lambda v: _is_num(v) and v > 0), "must be a number > 0")
+_BOOL = ((lambda v: isinstance(v, bool)), "must be true or false")
+_STRING = ((lambda v: isinstance(v, str)), "must be a string")
+_NON_EMPTY = ((lambda v: isinstance(v, str) and bool(v)), "must be a non-empty string")
+_QUANTITY = ((lambda v: (_is_int(v) and v >= 0) or (isinstance(v, str) and bool(_QUANTITY_RE.match(v)))),
+             "must be a Kubernetes quantity such as \"4\", \"500m\" or \"32Gi\"")
+_STR_LIST = ((lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v)),
+             "must be a list of non-empty strings")
+_STR_MAP = ((lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+            "must be a map of strings")
+_OBJ_LIST = ((lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v)), "must be a list of objects")
+_QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+
+# (section, field) -> (check, message); section "" is spec itself. Checked when the field is present
+# (with_defaults makes the defaulted ones present), so optional fields may be omitted but not be wrong.
+FIELD_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
+    ("", "image"): _NON_EMPTY,
+    ("", "imagePullPolicy"): _one_of("Always", "IfNotPresent", "Never"),
+    ("", "imagePullSecrets"): _STR_LIST,
+    ("", "replicas"): _int_in(0, 1000),
+    ("model", "servedName"): ((lambda v: isinstance(v, str) and bool(_SERVED_NAME.match(v)) and len(v) <= 128),
+                              "must be a name of letters, digits, '.', '_', '/', '-' (at most 128)"),
+    ("engine", "blockSize"): _one_of(*BLOCK_SIZES),
+    ("engine", "maxNumSeqs"): _int_in(1, 4096),
+    ("engine", "maxModelLen"): _int_in(16, 1048576),
+    ("engine", "maxNumBatchedTokens"): _int_in(16, 1048576),
+    ("engine", "gpuMemoryUtilization"): _FRACTION,
+    ("engine", "kvCacheMemoryBytes"): _int_in(1 << 20),
+    ("engine", "swapSpaceGiB"): ((lambda v: _is_num(v) and 0 <= v <= 1024), "must be a number in [0, 1024]"),
+    ("engine", "enablePrefixCaching"): _BOOL,
+    ("engine", "preemptionMode"): _one_of("swap", "recompute"),
+    ("engine", "tensorParallelSize"): ((lambda v: v == 1 and _is_int(v)), "only 1 is supported"),
+    ("engine", "dtype"): _one_of(*DTYPES),
+    ("engine", "device"): _one_of(*DEVICES),
+    ("engine", "maxQueueLength"): _int_in(1),
+    ("engine", "extraArgs"): _STR_LIST,
+    ("resources", "gpus"): _int_in(0, 16),
+    ("resources", "gpuResourceName"): ((lambda v: isinstance(v, str) and bool(_RESOURCE_NAME.match(v))),
+                                       "must be an extended resource name such as nvidia.com/gpu"),
+    ("resources", "cpu"): _QUANTITY,
+    ("resources", "memory"): _QUANTITY,
+    ("autoscaling", "enabled"): _BOOL,
+    ("autoscaling", "minReplicas"): _int_in(0, 1000),
+    ("autoscaling", "maxReplicas"): _int_in(1, 1000),
+    ("autoscaling", "targetKVCacheUsage"): _FRACTION,
+    ("autoscaling", "targetWaitingPerReplica"): _NON_NEGATIVE,
+    ("autoscaling", "intervalSeconds"): _int_in(1, 3600),
+    ("autoscaling", "scaleUpStabilizationSeconds"): _int_in(0, 86400),
+    ("autoscaling", "scaleDownStabilizationSeconds"): _int_in(0, 86400),
+    ("tuning", "mode"): (_one_of(*TUNING_MODES)[0],
+                         f"must be one of {list(TUNING_MODES)} (quote Off in YAML: unquoted it is a boolean)"),
+    ("tuning", "cooldownSeconds"): _int_in(0),
+    ("tuning", "blockSizes"): ((lambda v: isinstance(v, list) and bool(v) and all(
+        _is_int(s) and s in BLOCK_SIZES for s in v)), f"must be a non-empty list of {list(BLOCK_SIZES)}"),
+    ("router", "replicas"): _int_in(0, 100),
+    ("router", "strategy"): _one_of("kv-aware", "least-load", "prefix"),
+    ("router", "maxQueueLength"): _int_in(0),
+    ("router", "queueTimeoutSeconds"): _POSITIVE,
+    ("service", "type"): _one_of("ClusterIP", "NodePort", "LoadBalancer"),
+    ("service", "port"): _int_in(1, 65535),
+    ("probes", "startupTimeoutSeconds"): _int_in(10, 7200),
+    ("scheduling", "nodeSelector"): _STR_MAP,
+    ("scheduling", "tolerations"): _OBJ_LIST,
+    ("scheduling", "priorityClassName"): _STRING,
+}
+SECTIONS = ("model", "engine", "resources", "autoscaling", "tuning", "router", "service", "probes", "scheduling")
+
+
 def validate(spec: dict[str, Any]) -> list[SpecError]:
     """Every rule a defaulted spec breaks; empty when the operator can serve it."""
     errors: list[SpecError] = []
-
-    def need(ok: bool, field: str, message: str) -> None:
-        if not ok:
-            errors.append(SpecError(field, message))
-
-    def section(key: str) -> dict[str, Any]:
-        value = spec.get(key)
-        if not isinstance(value, dict):
-            errors.append(SpecError(f"spec.{key}", f"must be an object, not {type(value).__name__}"))
-            return {}
-        return value
+    if not isinstance(spec, dict):
+        return [SpecError("spec", "must be an object")]
+    for name in SECTIONS:
+        if name in spec and not isinstance(spec[name], dict):
+            errors.append(SpecError(f"spec.{name}", f"must be an object, not {type(spec[name]).__name__}"))
+    for (section, key), (ok, message) in FIELD_RULES.items():
+        holder = spec if not section else spec.get(section)
+        if isinstance(holder, dict) and key in holder and not ok(holder[key]):
+            where = f"spec.{section}.{key}" if section else f"spec.{key}"
+            errors.append(SpecError(where, message))
 
     model = spec.get("model")
     if not isinstance(model, dict) or not isinstance(model.get("source"), str):
@@ -130,49 +210,24 @@ def validate(spec: dict[str, Any]) -> list[SpecError]:
         except ValueError as exc:
             errors.append(SpecError("spec.model.source", str(exc)))
 
-    need(isinstance(spec.get("image"), str) and bool(spec.get("image")), "spec.image", "must be a non-empty string")
-    need(_is_int(spec.get("replicas")) and spec["replicas"] >= 0, "spec.replicas", "must be an integer >= 0")
-
-    engine = section("engine")
-    need(engine.get("blockSize") in BLOCK_SIZES, "spec.engine.blockSize", f"must be one of {list(BLOCK_SIZES)}")
-    need(_is_int(engine.get("maxNumSeqs")) and 1 <= engine["maxNumSeqs"] <= 4096,
-         "spec.engine.maxNumSeqs", "must be an integer in [1, 4096]")
-    for key in ("maxModelLen", "maxNumBatchedTokens"):
-        if key in engine:
-            need(_is_int(engine[key]) and engine[key] >= 16, f"spec.engine.{key}", "must be an integer >= 16")
-    gmu = engine.get("gpuMemoryUtilization")
-    need(_is_num(gmu) and 0 < gmu <= 1, "spec.engine.gpuMemoryUtilization", "must be a number in (0, 1]")
-    need(_is_num(engine.get("swapSpaceGiB")) and engine["swapSpaceGiB"] >= 0, "spec.engine.swapSpaceGiB",
-         "must be a number >= 0")
-    need(engine.get("dtype") in DTYPES, "spec.engine.dtype", f"must be one of {list(DTYPES)}")
-    need(engine.get("device") in DEVICES, "spec.engine.device", f"must be one of {list(DEVICES)}")
-    need(engine.get("tensorParallelSize") == 1, "spec.engine.tensorParallelSize", "only 1 is supported")
-    extra = engine.get("extraArgs", [])
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        errors.append(SpecError("spec.engine.extraArgs", "must be a list of strings"))
-    else:
+    engine = spec.get("engine") if isinstance(spec.get("engine"), dict) else {}
+    extra = engine.get("extraArgs")
+    if isinstance(extra, list):
         for i, arg in enumerate(extra):
-            flag = arg.split("=", 1)[0]
-            need(flag not in MANAGED_FLAGS, f"spec.engine.extraArgs[{i}]",
-                 f"{flag} is set by the operator from spec; use the matching spec field instead")
-
-    resources = section("resources")
-    need(_is_int(resources.get("gpus")) and resources["gpus"] >= 0, "spec.resources.gpus", "must be an integer >= 0")
+            flag = arg.split("=", 1)[0] if isinstance(arg, str) else ""
+            if flag in MANAGED_FLAGS:
+                errors.append(SpecError(f"spec.engine.extraArgs[{i}]",
+                                        f"{flag} is set by the operator from spec; use the matching spec field instead"))
+    resources = spec.get("resources") if isinstance(spec.get("resources"), dict) else {}
     if engine.get("device") == "cuda" and resources.get("gpus") == 0:
         errors.append(SpecError("spec.engine.device", "cuda needs spec.resources.gpus >= 1"))
 
-    auto = section("autoscaling")
+    auto = spec.get("autoscaling") if isinstance(spec.get("autoscaling"), dict) else {}
     lo, hi = auto.get("minReplicas"), auto.get("maxReplicas")
-    need(_is_int(lo) and lo >= 0, "spec.autoscaling.minReplicas", "must be an integer >= 0")
-    need(_is_int(hi) and hi >= 1, "spec.autoscaling.maxReplicas", "must be an integer >= 1")
     if _is_int(lo) and _is_int(hi) and lo > hi:
         errors.append(SpecError("spec.autoscaling.minReplicas", f"minReplicas ({lo}) must not exceed maxReplicas ({hi})"))
-    target = auto.get("targetKVCacheUsage")
-    need(_is_num(target) and 0 < target <= 1, "spec.autoscaling.targetKVCacheUsage", "must be a number in (0, 1]")
 
-    tuning = section("tuning")
-    need(tuning.get("mode") in TUNING_MODES, "spec.tuning.mode",
-         f"must be one of {list(TUNING_MODES)} (quote Off in YAML: unquoted it is a boolean)")
+    tuning = spec.get("tuning") if isinstance(spec.get("tuning"), dict) else {}
     rng = tuning.get("maxNumSeqs")
     if rng is not None:
         if not isinstance(rng, dict) or not _is_int(rng.get("min")) or not _is_int(rng.get("max")):
@@ -180,15 +235,12 @@ def validate(spec: dict[str, Any]) -> list[SpecError]:
         elif rng["min"] > rng["max"]:
             errors.append(SpecError("spec.tuning.maxNumSeqs.min",
                                     f"min ({rng['min']}) must not exceed max ({rng['max']})"))
-    sizes = tuning.get("blockSizes")
-    if sizes is not None:
-        need(isinstance(sizes, list) and bool(sizes) and all(s in BLOCK_SIZES for s in sizes),
-             "spec.tuning.blockSizes", f"must be a non-empty list of {list(BLOCK_SIZES)}")
 
-    router = section("router")
-    need(_is_int(router.get("replicas")) and router["replicas"] >= 0, "spec.router.replicas",
-         "must be an integer >= 0")
-    service = section("service")
-    need(_is_int(service.get("port")) and 1 <= service["port"] <= 65535, "spec.service.port",
-         "must be an integer in [1, 65535]")
+    router = spec.get("router") if isinstance(spec.get("router"), dict) else {}
+    rate = router.get("rateLimit")
+    if rate is not None:
+        if not isinstance(rate, dict) or not _POSITIVE[0](rate.get("requestsPerSecond")):
+            errors.append(SpecError("spec.router.rateLimit.requestsPerSecond", "must be a number > 0"))
+        elif "burst" in rate and not _int_in(1)[0](rate["burst"]):
+            errors.append(SpecError("spec.router.rateLimit.burst", "must be an integer >= 1"))
     return errors
