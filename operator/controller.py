@@ -69,7 +69,7 @@ def _engine_change(previous: dict[str, Any] | None, engine: dict[str, Any]) -> s
     before = {}
     if previous:
         try:
-            before = json.loads((previous.get("metadata", {}).get("annotations") or {}).get("pagedmodel.io/engine")
+            before = json.loads((previous.get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_ENGINE)
                                 or "{}")
         except ValueError:
             before = {}

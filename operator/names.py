@@ -16,6 +16,7 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 
 # Annotations the operator writes or reads.
 ANNOTATION_CONFIG_HASH = "pagedmodel.io/engine-config-hash"   # on the pod template: changes roll the engines
+ANNOTATION_ENGINE = "pagedmodel.io/engine"                    # on the engine Deployment: effective flags (JSON)
 ANNOTATION_TUNED = "pagedmodel.io/tuned-engine"               # on the PagedModel: JSON overrides from the tuner
 
 ENGINE = "engine"

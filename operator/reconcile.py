@@ -194,7 +194,7 @@ def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {**_metadata(pm, names.engine_name(model), names.ENGINE),
-                     "annotations": {"pagedmodel.io/engine": json.dumps(engine, sort_keys=True)}},
+                     "annotations": {names.ANNOTATION_ENGINE: json.dumps(engine, sort_keys=True)}},
         "spec": {
             "replicas": engine_replicas(spec, observed),
             "selector": {"matchLabels": names.selector_labels(model, names.ENGINE)},

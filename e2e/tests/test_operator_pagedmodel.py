@@ -7,7 +7,6 @@ are real `pagedmodel serve` processes on the local kubelet (SmolLM2-135M on CPU,
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
