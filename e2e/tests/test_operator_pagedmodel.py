@@ -289,3 +289,10 @@ def test_kubectl_explain_reads_well(cluster, pagedmodel_crd):
     for field in ("blockSize", "maxNumSeqs", "gpuMemoryUtilization", "enablePrefixCaching", "extraArgs"):
         assert field in out, out
     assert "Most sequences batched in one engine step" in cluster.kubectl("explain", "pm.spec.engine.maxNumSeqs").stdout
+
+
+def test_examples_are_accepted_by_the_api_server(cluster, namespace, pagedmodel_crd):
+    out = cluster.kubectl("apply", "--dry-run=server", "-f", str(REPO / "examples"), namespace=namespace)
+    assert sorted(line.split()[0] for line in out.stdout.splitlines()) == [
+        "pagedmodel.pagedmodel.io/llama-1b", "pagedmodel.pagedmodel.io/smollm2", "pagedmodel.pagedmodel.io/smollm2-cpu"]
+    assert cluster.kubectl_json("get", "pm", namespace=namespace)["items"] == []     # dry run stored nothing

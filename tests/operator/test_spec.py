@@ -1,9 +1,11 @@
 """spec.py: defaults agree with the CRD, model sources parse, cross-field rules name the field."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from pagedmodel.operator.spec import DEFAULTS, ModelSource, parse_source, validate, with_defaults
 
@@ -96,3 +98,11 @@ def test_invalid_specs_name_the_field(patch, field):
     errors = validate(with_defaults(spec))
     assert field in [e.field for e in errors], errors
     assert all(str(e).startswith(e.field + ": ") for e in errors)
+
+
+@pytest.mark.parametrize("example", sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_examples_pass_the_operators_own_checks(example):
+    doc = yaml.safe_load(example.read_text())
+    assert doc["kind"] == "PagedModel" and doc["apiVersion"] == "pagedmodel.io/v1alpha1"
+    assert validate(with_defaults(doc["spec"])) == []
