@@ -89,8 +89,17 @@ class Kube:
         body["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED] = digest
         live = self.get(self.path(kind, namespace, name))
         if live is None:
-            self._call("POST", self.path(kind, namespace), body)
-            return Applied(kind, name, "created", None)
+            try:
+                self._call("POST", self.path(kind, namespace), body)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                # A concurrent pass (create handler vs timer) created it first: converge on what is there.
+                live = self.get(self.path(kind, namespace, name))
+                if live is None:
+                    raise
+            else:
+                return Applied(kind, name, "created", None)
         live_meta = live.get("metadata") or {}
         if (live_meta.get("annotations") or {}).get(ANNOTATION_APPLIED) == digest:
             return Applied(kind, name, "unchanged", live)

@@ -104,3 +104,23 @@ def test_garbled_tuner_annotation_is_ignored_not_fatal():
     assert reconcile(kube, pm, router_enabled=False).status["engine"]["maxNumSeqs"] == 4
     pm = make_pm(CPU, annotations={"pagedmodel.io/tuned-engine": '{"maxNumSeqs": 16}'})
     assert reconcile(FakeKube(), pm, router_enabled=False).status["engine"]["maxNumSeqs"] == 16
+
+
+def test_create_race_converges_instead_of_failing():
+    """Another pass created the child between our GET and POST: the 409 turns into a normal update check."""
+    from kubernetes.client.exceptions import ApiException
+
+    from pagedmodel.operator.reconcile import desired_state
+
+    class RacyKube(FakeKube):
+        def _call(self, method, path, body=None, query=None):
+            if method == "POST" and not getattr(self, "raced", False):
+                self.raced = True
+                super()._call(method, path, body)          # the other writer wins...
+                raise ApiException(status=409)             # ...and our POST is refused
+            return super()._call(method, path, body, query)
+
+    kube = RacyKube()
+    manifest = desired_state(make_pm(CPU))[0]
+    applied = kube.apply(manifest)
+    assert applied.action == "unchanged" and [m for m, _ in kube.writes] == ["POST"]
