@@ -101,7 +101,11 @@ class Kube:
             else:
                 return Applied(kind, name, "created", None)
         live_meta = live.get("metadata") or {}
-        if (live_meta.get("annotations") or {}).get(ANNOTATION_APPLIED) == digest:
+        same = (live_meta.get("annotations") or {}).get(ANNOTATION_APPLIED) == digest
+        # The one drift worth undoing without a spec change: someone scaled our Deployment by hand.
+        if kind == "Deployment" and (live.get("spec") or {}).get("replicas") != manifest["spec"]["replicas"]:
+            same = False
+        if same:
             return Applied(kind, name, "unchanged", live)
         # Keep what others own: annotations (deployment revision, kubectl's), the Service's allocated IPs.
         body["metadata"]["annotations"] = {**(live_meta.get("annotations") or {}), **body["metadata"]["annotations"]}

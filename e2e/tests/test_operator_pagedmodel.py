@@ -142,6 +142,8 @@ def test_pagedmodel_lifecycle(cluster, namespace, pagedmodel_crd, tmp_path):
         row = table[1].split()
         assert row[:3] == [NAME, "builtin://smollm2", "1/1"] and row[4:6] == ["0", "Ready"], table
         assert row[3].isdigit() and 0 <= int(row[3]) <= 100, table
+        wide = cluster.kubectl("get", "pm", "-o", "wide", namespace=namespace).stdout.splitlines()
+        assert wide[0].split()[-1] == "URL" and wide[1].split()[-1] == f"http://{NAME}.{namespace}.svc:80/v1"
         assert NAME in cluster.kubectl("get", "pagedmodel", namespace=namespace).stdout   # category works too
 
         # describe: conditions and the operator's events.

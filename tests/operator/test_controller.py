@@ -76,6 +76,16 @@ def test_engine_flag_change_updates_only_the_engine_deployment_with_an_event():
     assert args[args.index("--max-num-seqs") + 1] == "8"
 
 
+def test_hand_scaled_engine_deployment_is_scaled_back():
+    kube = FakeKube()
+    first = reconcile(kube, make_pm(CPU), router_enabled=False)
+    path = "/apis/apps/v1/namespaces/ml/deployments/smollm2-engine"
+    kube.store[path]["spec"]["replicas"] = 5          # kubectl scale deployment ... behind the operator's back
+    kube.writes.clear()
+    reconcile(kube, make_pm(CPU, status=first.status), router_enabled=False)
+    assert kube.writes == [("PUT", path)] and kube.store[path]["spec"]["replicas"] == 1
+
+
 def test_invalid_spec_fails_without_touching_the_cluster_and_warns_once():
     kube = FakeKube()
     bad = {**CPU, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}
