@@ -28,9 +28,13 @@ NAME = "smollm2-cpu"                 # metadata.name in the example
 
 @pytest.fixture(scope="module")
 def pagedmodel_crd(cluster):
+    """The repository's CRD, applied for this module; removed afterwards only if this module installed it."""
+    existed = cluster.kubectl("get", "crd", "pagedmodels.pagedmodel.io", check=False).returncode == 0
     cluster.kubectl("apply", "-f", str(CRD))
     cluster.kubectl("wait", "--for=condition=Established", "crd/pagedmodels.pagedmodel.io", "--timeout=30s")
     yield
+    if not existed:
+        cluster.kubectl("delete", "crd", "pagedmodels.pagedmodel.io", "--timeout=60s", check=False, timeout=70)
 
 
 @contextlib.contextmanager
