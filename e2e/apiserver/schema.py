@@ -82,6 +82,8 @@ def prune(schema: dict[str, Any] | None, value: Any, path: str, unknown: list[st
         props = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
         for name in list(value):
+            if top and name == "metadata":
+                continue  # ObjectMeta belongs to the server whatever the schema says of it, as in the real one
             if name in props:
                 value[name] = prune(props[name], value[name], _join(path, name), unknown)
             elif isinstance(extra, dict):

@@ -42,6 +42,15 @@ def test_prune_drops_unknown_but_keeps_preserved_and_top_level():
     assert obj["metadata"] == {"name": "n"}
 
 
+def test_prune_never_touches_metadata_even_when_the_schema_declares_it():
+    # a CRD may say `metadata: {type: object}`; the API server still keeps name, labels and the rest
+    schema = {"type": "object", "properties": {"metadata": {"type": "object"}, "spec": {"type": "object"}}}
+    obj = {"apiVersion": "x/v1", "kind": "K", "metadata": {"name": "n", "labels": {"a": "b"}}, "spec": {}}
+    unknown: list[str] = []
+    prune(schema, obj, "", unknown, top=True)
+    assert obj["metadata"] == {"name": "n", "labels": {"a": "b"}} and unknown == []
+
+
 def test_validation_messages_match_the_api_server():
     assert _messages({"spec": {"n": 10}}) == {
         "spec.n": "Invalid value: 10: spec.n in body should be less than 10"}
