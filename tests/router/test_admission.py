@@ -5,16 +5,7 @@ import pytest
 
 from pagedmodel.server.router_admission import RateLimiter, TokenBucket, retry_after_seconds
 
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
+from fakes import FakeClock
 
 
 def drain(check, n: int) -> int:
