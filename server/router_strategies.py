@@ -1,0 +1,151 @@
+"""How the router picks an upstream for a request: pure functions over upstream snapshots.
+
+Each strategy sees only the upstreams that can take a request now (ready, not ejected, below
+their in-flight cap) and returns one of them, or None when the list is empty.
+
+- `kv-aware` (default): least loaded by a score mixing the engine's scraped KV-cache usage and
+  waiting queue with the router's own in-flight count. The scrape lags (about a second) and an
+  engine only counts a request once it arrives, so under bursts the router's fresh in-flight
+  count is what keeps it from sending the whole burst to the replica that looked emptiest.
+- `least-load`: fewest in-flight requests from this router (ties: lower KV usage).
+- `round-robin`: rotate through the ready upstreams.
+- `prefix`: requests with the same leading prompt go to the same upstream (consistent hashing
+  on a ring of virtual nodes, so adding or removing a replica remaps only its share), unless
+  that upstream's in-flight load exceeds `load_factor` times the mean ("bounded load"), in
+  which case the next upstream clockwise on the ring takes it.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+STRATEGIES = ("kv-aware", "least-load", "prefix", "round-robin")
+
+
+@dataclass(frozen=True)
+class UpstreamView:
+    """What a strategy knows about one upstream at decision time."""
+
+    url: str
+    inflight: int = 0                    # requests this router has open to it (fresh)
+    max_inflight: int | None = None      # the engine's capacity (max-num-seqs) if known
+    kv_usage: float | None = None        # scraped vllm:kv_cache_usage_perc, 0..1
+    waiting: float | None = None         # scraped vllm:num_requests_waiting
+    running: float | None = None         # scraped vllm:num_requests_running
+
+
+def kv_score(u: UpstreamView) -> float:
+    """Lower is better; units are roughly "fractions of a full replica".
+
+    KV usage is already 0..1. Request counts are normalised by the engine's capacity when known,
+    else by a nominal 64 sequences. Load is max(router in-flight, engine running + waiting): the
+    router's own count is fresh (a burst shows up at once) but misses other routers' requests;
+    the engine's count sees those but lags a scrape; taking the larger never counts a request
+    twice. Waiting requests are added once more because an engine that queues is saturated.
+    """
+    capacity = float(u.max_inflight) if u.max_inflight else 64.0
+    kv = min(max(u.kv_usage or 0.0, 0.0), 1.0)
+    waiting = max(u.waiting or 0.0, 0.0)
+    load = max(float(u.inflight), waiting + max(u.running or 0.0, 0.0))
+    return kv + load / capacity + waiting / capacity
+
+
+def pick_kv_aware(ups: Sequence[UpstreamView]) -> UpstreamView | None:
+    if not ups:
+        return None
+    return min(ups, key=lambda u: (kv_score(u), u.inflight, u.url))
+
+
+def pick_least_load(ups: Sequence[UpstreamView]) -> UpstreamView | None:
+    if not ups:
+        return None
+    return min(ups, key=lambda u: (u.inflight, u.kv_usage or 0.0, u.url))
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, ups: Sequence[UpstreamView]) -> UpstreamView | None:
+        if not ups:
+            return None
+        ordered = sorted(ups, key=lambda u: u.url)   # stable order as upstreams come and go
+        choice = ordered[self._next % len(ordered)]
+        self._next += 1
+        return choice
+
+
+def _hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class PrefixAffinity:
+    """Consistent hashing with bounded load (Mirrokni et al.'s scheme) keyed by the prompt prefix."""
+
+    def __init__(self, vnodes: int = 64, load_factor: float = 1.25, prefix_chars: int = 256) -> None:
+        if vnodes < 1 or load_factor < 1.0 or prefix_chars < 1:
+            raise ValueError("vnodes >= 1, load_factor >= 1 and prefix_chars >= 1 are required")
+        self.vnodes = vnodes
+        self.load_factor = load_factor
+        self.prefix_chars = prefix_chars
+        self._ring_for: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def _ring(self, urls: tuple[str, ...]) -> None:
+        if urls == self._ring_for:
+            return
+        pairs = sorted((_hash(f"{url}#{i}".encode()), url) for url in urls for i in range(self.vnodes))
+        self._points = [p for p, _ in pairs]
+        self._owners = [u for _, u in pairs]
+        self._ring_for = urls
+
+    def key_of(self, prompt: str) -> bytes:
+        return prompt[: self.prefix_chars].encode("utf-8", "surrogatepass")
+
+    def bound(self, ups: Sequence[UpstreamView]) -> int:
+        """Most in-flight requests an upstream may hold before the prefix spills to the next one."""
+        total = sum(u.inflight for u in ups) + 1   # counting the request being placed
+        return max(1, math.ceil(self.load_factor * total / len(ups)))
+
+    def pick(self, ups: Sequence[UpstreamView], prompt: str) -> UpstreamView | None:
+        if not ups:
+            return None
+        by_url = {u.url: u for u in ups}
+        self._ring(tuple(sorted(by_url)))
+        cap = self.bound(ups)
+        start = bisect.bisect(self._points, _hash(self.key_of(prompt))) % len(self._points)
+        seen: set[str] = set()
+        for i in range(len(self._points)):
+            url = self._owners[(start + i) % len(self._points)]
+            if url in seen:
+                continue
+            seen.add(url)
+            if by_url[url].inflight < cap:
+                return by_url[url]
+            if len(seen) == len(by_url):
+                break
+        return pick_least_load(ups)   # cannot happen with cap >= mean, kept as a safe fallback
+
+
+class Router:
+    """One strategy instance per router process (round-robin and prefix keep state)."""
+
+    def __init__(self, strategy: str) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        self.strategy = strategy
+        self._rr = RoundRobin()
+        self._prefix = PrefixAffinity()
+
+    def pick(self, ups: Sequence[UpstreamView], prompt: str = "") -> UpstreamView | None:
+        if self.strategy == "kv-aware":
+            return pick_kv_aware(ups)
+        if self.strategy == "least-load":
+            return pick_least_load(ups)
+        if self.strategy == "round-robin":
+            return self._rr.pick(ups)
+        return self._prefix.pick(ups, prompt)
