@@ -15,6 +15,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedmodel.server.router_admission import Clock, retry_after_seconds
 
@@ -41,6 +42,7 @@ class Ticket:
     deadline: float
     future: asyncio.Future[None] | None = field(default=None, repr=False)
     state: str = "waiting"   # waiting | granted | cancelled | expired
+    payload: Any = field(default=None, repr=False)   # whatever the dispatcher needs (prompt, chosen upstream)
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.seq)
@@ -68,13 +70,13 @@ class AdmissionQueue:
         deadlines = [t.deadline for _, _, t in self._heap if t.state == "waiting"]
         return retry_after_seconds(min(deadlines) - now if deadlines else 1.0)
 
-    def enqueue(self, priority: int = 0, *, with_future: bool = False) -> Ticket:
+    def enqueue(self, priority: int = 0, *, with_future: bool = False, payload: Any = None) -> Ticket:
         """Add a request; raises QueueFull when `max_len` requests already wait."""
         if self._live >= self.max_len:
             raise QueueFull(self.full_retry_after())
         now = self._clock()
         seq = next(self._seq)
-        ticket = Ticket(int(priority), seq, now, now + self.timeout)
+        ticket = Ticket(int(priority), seq, now, now + self.timeout, payload=payload)
         if with_future:
             ticket.future = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (ticket.priority, seq, ticket))
@@ -90,8 +92,7 @@ class AdmissionQueue:
         return self._heap[0][2] if self._heap else None
 
     def grant_next(self) -> Ticket | None:
-        """Pop the most urgent waiting request and let it proceed."""
-        self.expire()
+        """Pop the most urgent waiting request and let it proceed (call expire() first to drop overdue ones)."""
         self._drop_dead_head()
         if not self._heap:
             return None

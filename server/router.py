@@ -1,0 +1,424 @@
+"""`pagedmodel router`: an asynchronous OpenAI-API proxy in front of engine replicas.
+
+Per request: rate limit (429) -> free upstream slot now, else the bounded priority queue
+(503 when full or timed out) -> strategy picks the upstream -> the response is streamed back
+chunk by chunk. A connection failure before any response byte is retried on another upstream;
+an upstream failing repeatedly is ejected and re-probed (router_upstreams). Mid-stream failures
+end an SSE stream with an OpenAI-style error event, which the `openai` SDK raises as APIError.
+
+The router's own `/health` answers 200 whenever the router serves, even with no upstream ready:
+requests then wait in the queue (up to --queue-timeout), which is what scale-from-zero needs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pagedmodel.server.errors import APIError
+from pagedmodel.server.router_admission import RateLimiter
+from pagedmodel.server.router_metrics import RouterMetrics
+from pagedmodel.server.router_queue import AdmissionQueue, QueueFull, QueueTimeout, Ticket
+from pagedmodel.server.router_strategies import STRATEGIES, Router
+from pagedmodel.server.router_upstreams import Upstream, UpstreamPool, scrape_once
+
+logger = logging.getLogger("pagedmodel.router")
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and ones the proxy recomputes are never forwarded.
+_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+                  "transfer-encoding", "upgrade", "host", "content-length"})
+_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                   aiohttp.ServerTimeoutError, asyncio.TimeoutError)
+
+
+@dataclass
+class RouterConfig:
+    upstreams: list[str]
+    strategy: str = "kv-aware"
+    rate_limit: float | None = None
+    burst: int | None = None
+    client_rate_limit: float | None = None
+    client_burst: int | None = None
+    client_header: str | None = None
+    max_queue_len: int = 256
+    queue_timeout: float = 30.0
+    max_inflight_per_upstream: int | None = None
+    scrape_interval: float = 1.0
+    connect_timeout: float = 5.0
+    failures_to_eject: int = 3
+    eject_backoff: float = 1.0
+    eject_max_backoff: float = 30.0
+    max_attempts: int = 3
+
+
+def _error(status: int, message: str, *, code: str | None = None, retry_after: int | None = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response(APIError(status, message, code=code).body(), status=status, headers=headers)
+
+
+def _prompt_key(body: dict[str, Any]) -> str:
+    """The leading text prefix affinity hashes: the prompt, or the chat messages rendered in order."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt else ""
+    if isinstance(prompt, (list, tuple)):   # token ids
+        return ",".join(map(str, prompt))
+    if isinstance(prompt, str):
+        return prompt
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            if isinstance(m, dict):
+                content = m.get("content")
+                parts.append(f"{m.get('role')}:{content if isinstance(content, str) else json.dumps(content)}")
+        return "\n".join(parts)
+    return ""
+
+
+@dataclass
+class _Pending:
+    prompt: str
+    upstream: Upstream | None = None
+    exclude: set[str] = field(default_factory=set)
+
+
+class RouterApp:
+    """Owns the pool, limiter, queue and strategy; builds the aiohttp application."""
+
+    def __init__(self, cfg: RouterConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.pool = UpstreamPool(cfg.upstreams, max_inflight=cfg.max_inflight_per_upstream,
+                                 consecutive_failures_to_eject=cfg.failures_to_eject, base_backoff=cfg.eject_backoff,
+                                 max_backoff=cfg.eject_max_backoff, stale_after=max(5.0, 5 * cfg.scrape_interval),
+                                 clock=clock)
+        self.limiter = RateLimiter(cfg.rate_limit, cfg.burst, client_rate=cfg.client_rate_limit,
+                                   client_burst=cfg.client_burst, client_header=cfg.client_header, clock=clock)
+        self.queue = AdmissionQueue(cfg.max_queue_len, cfg.queue_timeout, clock=clock)
+        self.router = Router(cfg.strategy)
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self._background: asyncio.Task[None] | None = None
+
+    # lifecycle
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/{tail:.+}", self.proxy_post)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        # No total timeout: generations stream for minutes; only connecting is bounded. Raw bytes
+        # pass through (no decompression), and one connection pool serves all upstreams.
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
+            auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
+        self._background = asyncio.create_task(self._maintain())
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._background:
+            self._background.cancel()
+            try:
+                await self._background
+            except asyncio.CancelledError:
+                pass
+        if self.session:
+            await self.session.close()
+
+    async def _maintain(self) -> None:
+        """About once a second: scrape metrics, probe ejected upstreams, expire and dispatch the queue."""
+        assert self.session is not None
+        while True:
+            try:
+                await scrape_once(self.pool, self.session, timeout=max(1.0, self.cfg.scrape_interval * 2))
+                self.queue.expire()
+                self._dispatch()
+                self._update_gauges()
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # the loop must survive anything one round throws
+                logger.exception("router maintenance round failed")
+            await asyncio.sleep(self.cfg.scrape_interval)
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_length.set(len(self.queue))
+        for up in self.pool.upstreams.values():
+            self.metrics.inflight.labels(up.url).set(up.inflight)
+            self.metrics.healthy.labels(up.url).set(0 if up.ejected else 1)
+
+    # admission
+
+    def _pick(self, prompt: str, exclude: set[str] = frozenset()) -> Upstream | None:  # type: ignore[assignment]
+        candidates = [u for u in self.pool.available() if u.url not in exclude] or self.pool.available()
+        view = self.router.pick([u.view() for u in candidates], prompt)
+        return self.pool.upstreams.get(view.url) if view is not None else None
+
+    def _dispatch(self) -> None:
+        """Hand free upstream slots to queued requests, most urgent first."""
+        self.queue.expire()
+        while (ticket := self.queue.peek()) is not None:
+            pending: _Pending = ticket.payload
+            up = self._pick(pending.prompt, pending.exclude)
+            if up is None:
+                break
+            self.pool.acquire(up)
+            pending.upstream = up
+            self.queue.grant_next()
+        self.metrics.queue_length.set(len(self.queue))
+
+    async def _acquire(self, priority: int, prompt: str, exclude: set[str]) -> Upstream:
+        """A slot on an upstream: at once when one is free and nobody waits, else through the queue."""
+        if len(self.queue) == 0:
+            up = self._pick(prompt, exclude)
+            if up is not None:
+                self.pool.acquire(up)
+                return up
+        pending = _Pending(prompt, exclude=exclude)
+        ticket: Ticket = self.queue.enqueue(priority, with_future=True, payload=pending)
+        self.metrics.queue_length.set(len(self.queue))
+        self._dispatch()
+        try:
+            await self.queue.wait(ticket)
+        except asyncio.CancelledError:
+            if pending.upstream is not None:   # granted in the same instant the client left
+                self._release(pending.upstream)
+            raise
+        finally:
+            self.metrics.queue_length.set(len(self.queue))
+            self.metrics.queue_time.observe(max(0.0, self.clock() - ticket.enqueued_at))
+        assert pending.upstream is not None
+        return pending.upstream
+
+    def _release(self, up: Upstream) -> None:
+        self.pool.release(up)
+        self.metrics.inflight.labels(up.url).set(up.inflight)
+        self._dispatch()
+
+    # endpoints
+
+    async def health(self, _request: web.Request) -> web.Response:
+        ready = sum(1 for u in self.pool.upstreams.values() if not u.ejected and not u.draining)
+        return web.json_response({"status": "ok", "upstreams": len(self.pool.upstreams), "upstreams_ready": ready,
+                                  "queue_length": len(self.queue)})
+
+    async def metrics_endpoint(self, _request: web.Request) -> web.Response:
+        self._update_gauges()
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """Served models, from any ready upstream (they all serve the same model)."""
+        return await self._forward(request, "GET", b"", priority=0, prompt="")
+
+    async def proxy_post(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return self._count(_error(400, f"request body is not valid JSON: {exc}"))
+        if not isinstance(payload, dict):
+            return self._count(_error(400, "request body must be a JSON object"))
+        priority = payload.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            return self._count(_error(400, "priority must be an integer (lower values are served first)",
+                                      code="invalid_priority"))
+        decision = self.limiter.check(self.limiter.client_key(request.headers))
+        if not decision.allowed:
+            self.metrics.rate_limited.labels(decision.scope).inc()
+            return self._count(_error(429, f"rate limit exceeded ({decision.scope}); retry after "
+                                           f"{decision.retry_after}s", code="rate_limit_exceeded",
+                                      retry_after=decision.retry_after))
+        return await self._forward(request, "POST", body, priority=priority, prompt=_prompt_key(payload))
+
+    def _count(self, resp: web.StreamResponse) -> web.StreamResponse:
+        self.metrics.requests.labels(str(resp.status)).inc()
+        return resp
+
+    async def _forward(self, request: web.Request, method: str, body: bytes, *, priority: int,
+                       prompt: str) -> web.StreamResponse:
+        assert self.session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        tried: set[str] = set()
+        for attempt in range(self.cfg.max_attempts):
+            try:
+                up = await self._acquire(priority, prompt, tried)
+            except QueueFull as exc:
+                return self._count(_error(503, "router queue is full", code="queue_full",
+                                          retry_after=exc.retry_after))
+            except QueueTimeout as exc:
+                return self._count(_error(503, f"no upstream could take the request: {exc}", code="queue_timeout",
+                                          retry_after=exc.retry_after))
+            tried.add(up.url)
+            started = self.clock()
+            try:
+                upstream_resp = await self.session.request(method, up.url + request.path_qs, data=body or None,
+                                                           headers=headers)
+            except _CONNECT_ERRORS as exc:
+                # Nothing reached the client yet: count the failure and try another replica.
+                logger.warning("upstream %s failed before responding (%s); retrying elsewhere", up.url, exc)
+                if self.pool.record_failure(up):
+                    self.metrics.healthy.labels(up.url).set(0)
+                self._release(up)
+                if attempt + 1 < self.cfg.max_attempts:
+                    self.metrics.retries.inc()
+                continue
+            try:
+                relayed = await self._relay(request, upstream_resp, up)
+            except BaseException:
+                upstream_resp.close()   # client gone or relay broken: drop the upstream connection (aborts it)
+                raise
+            else:
+                upstream_resp.release()
+                return self._count(relayed)
+            finally:
+                self.metrics.latency.labels(up.url).observe(max(0.0, self.clock() - started))
+                self._release(up)
+        return self._count(_error(502, f"no upstream answered after {self.cfg.max_attempts} attempts",
+                                  code="upstream_unreachable"))
+
+    async def _relay(self, request: web.Request, upstream_resp: aiohttp.ClientResponse,
+                     up: Upstream) -> web.StreamResponse:
+        """Copy status and headers, then each chunk as it arrives (never the whole body at once)."""
+        if upstream_resp.status in (500, 502, 504):
+            self.pool.record_failure(up)
+        elif upstream_resp.status < 500:
+            self.pool.record_success(up)   # 503 is back-pressure from a healthy engine, not a failure
+        resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
+        for k, v in upstream_resp.headers.items():
+            if k.lower() not in _HOP:
+                resp.headers.add(k, v)
+        is_sse = upstream_resp.content_type == "text/event-stream"
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream_resp.content.iter_any():
+                await resp.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            logger.warning("upstream %s failed mid-response: %s", up.url, exc)
+            self.pool.record_failure(up)
+            if is_sse:
+                err = APIError(502, f"upstream failed mid-stream: {exc}", code="upstream_failed").body()
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            else:
+                # Headers are out: the only honest signal left is an incomplete body.
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
+        await resp.write_eof()
+        return resp
+
+
+# CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--upstream", action="append", default=[], metavar="URL",
+                     help="engine base URL (http://host:port); repeat for several replicas")
+    src.add_argument("--discover", metavar="SELECTOR",
+                     help="discover engine pods by Kubernetes label selector (not implemented yet)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="kv-aware", help="how an upstream is chosen")
+    parser.add_argument("--rate-limit", type=_positive_float, default=None, metavar="RPS",
+                        help="global requests per second (token bucket); off when not given")
+    parser.add_argument("--burst", type=_positive_int, default=None,
+                        help="global bucket size (default: ceil(--rate-limit))")
+    parser.add_argument("--client-rate-limit", type=_positive_float, default=None, metavar="RPS",
+                        help="per-client requests per second, keyed by API key or --client-header")
+    parser.add_argument("--client-burst", type=_positive_int, default=None)
+    parser.add_argument("--client-header", default=None,
+                        help="header naming the client for per-client limits (default: the bearer API key)")
+    parser.add_argument("--max-queue-len", type=_non_negative_int, default=256,
+                        help="requests that may wait for an upstream slot before 503")
+    parser.add_argument("--queue-timeout", type=_positive_float, default=30.0, metavar="S",
+                        help="seconds a request may wait in the queue before 503")
+    parser.add_argument("--max-inflight-per-upstream", type=_positive_int, default=None,
+                        help="cap on requests open to one engine (set to its --max-num-seqs); unlimited if unset")
+    parser.add_argument("--scrape-interval", type=_positive_float, default=1.0, metavar="S",
+                        help="seconds between scrapes of each upstream's /metrics")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    if args.burst is not None and args.rate_limit is None:
+        raise ValueError("--burst needs --rate-limit")
+    return RouterConfig(upstreams=list(args.upstream), strategy=args.strategy, rate_limit=args.rate_limit,
+                        burst=args.burst, client_rate_limit=args.client_rate_limit, client_burst=args.client_burst,
+                        client_header=args.client_header, max_queue_len=args.max_queue_len,
+                        queue_timeout=args.queue_timeout, max_inflight_per_upstream=args.max_inflight_per_upstream,
+                        scrape_interval=args.scrape_interval)
+
+
+async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awaitable[None] | None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run until `stop` is set (or forever). `ready(port)` is called once listening (tests use port 0)."""
+    runner = web.AppRunner(app.build(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1] if site._server else port  # type: ignore[union-attr]
+    logger.info("router listening on %s:%d -> %d upstream(s), strategy %s", host, bound,
+                len(app.pool.upstreams), app.cfg.strategy)
+    if ready is not None:
+        result = ready(bound)
+        if asyncio.iscoroutine(result):
+            await result
+    try:
+        await (stop.wait() if stop is not None else asyncio.Event().wait())
+    finally:
+        await runner.cleanup()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    if args.discover:
+        print("pagedmodel router: --discover (Kubernetes discovery) is not implemented yet; "
+              "give the engines with --upstream URL", flush=True)
+        return 2
+    if not args.upstream:
+        print("pagedmodel router: give at least one --upstream URL", flush=True)
+        return 2
+    try:
+        app = RouterApp(config_from_args(args))
+    except ValueError as exc:
+        print(f"pagedmodel router: {exc}", flush=True)
+        return 2
+    try:
+        asyncio.run(serve(app, args.host, args.port))
+    except KeyboardInterrupt:
+        return 130
+    return 0

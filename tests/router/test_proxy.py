@@ -1,0 +1,285 @@
+"""The router over HTTP against fake upstreams on 127.0.0.1 (real sockets, short generous waits)."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from fakes import FakeUpstream, running_router
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def started(*ups: FakeUpstream) -> None:
+    for u in ups:
+        await u.start()
+
+
+async def eventually(predicate, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def test_proxies_completions_models_health_and_metrics():
+    async def main():
+        up = FakeUpstream("a")
+        await started(up)
+        async with running_router(upstreams=[up.url]) as (_app, base), aiohttp.ClientSession() as s:
+            async with s.post(base + "/v1/completions", json={"prompt": "hi"},
+                              headers={"Authorization": "Bearer k1"}) as r:
+                assert r.status == 200
+                assert await r.json() == {"upstream": "a", "prompt": "hi", "auth": "Bearer k1"}
+            async with s.get(base + "/v1/models") as r:
+                assert r.status == 200 and (await r.json())["data"][0]["id"] == "fake"
+            async with s.get(base + "/health") as r:
+                assert r.status == 200 and (await r.json())["upstreams_ready"] == 1
+            async with s.get(base + "/metrics") as r:
+                text = await r.text()
+            assert 'pagedmodel_router_requests_total{code="200"} 2.0' in text   # completion + models
+            for name in ("pagedmodel_router_queue_length", "pagedmodel_router_rate_limited_total",
+                         f'pagedmodel_router_upstream_inflight{{upstream="{up.url}"}}',
+                         "pagedmodel_router_upstream_latency_seconds_bucket",
+                         f'pagedmodel_router_upstream_healthy{{upstream="{up.url}"}} 1.0'):
+                assert name in text
+        await up.stop()
+    run(main())
+
+
+def test_bad_json_and_bad_priority_are_400_in_openai_format():
+    async def main():
+        up = FakeUpstream("a")
+        await started(up)
+        async with running_router(upstreams=[up.url]) as (_app, base), aiohttp.ClientSession() as s:
+            async with s.post(base + "/v1/completions", data=b"{nope") as r:
+                body = await r.json()
+                assert r.status == 400 and body["error"]["type"] == "BadRequestError"
+            async with s.post(base + "/v1/completions", json={"prompt": "x", "priority": "high"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_priority"
+        assert up.served == []
+        await up.stop()
+    run(main())
+
+
+def test_streaming_is_passed_through_chunk_by_chunk():
+    async def main():
+        up = FakeUpstream("a")
+        up.between = asyncio.Event()   # the upstream sends chunk 0, then waits
+        await started(up)
+        async with running_router(upstreams=[up.url]) as (_app, base), aiohttp.ClientSession() as s:
+            async with s.post(base + "/v1/completions", json={"prompt": "x", "stream": True, "n_chunks": 2}) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+                assert b'"t0 "' in first   # arrived while the upstream still holds the rest
+                up.between.set()
+                rest = await r.read()
+                assert b'"t1 "' in rest and rest.endswith(b"data: [DONE]\n\n")
+        await up.stop()
+    run(main())
+
+
+def test_rate_limit_429_with_retry_after():
+    async def main():
+        up = FakeUpstream("a")
+        await started(up)
+        async with running_router(upstreams=[up.url], rate_limit=0.5, burst=2) as (_app, base), \
+                aiohttp.ClientSession() as s:
+            codes = []
+            for _ in range(3):
+                async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                    codes.append(r.status)
+                    if r.status == 429:
+                        body = await r.json()
+                        assert r.headers["Retry-After"] == "2"   # 0.5 tokens/s -> next token within 2 s
+                        assert body["error"]["type"] == "RateLimitError"
+                        assert body["error"]["code"] == "rate_limit_exceeded"
+            assert codes == [200, 200, 429]
+            async with s.get(base + "/metrics") as r:
+                assert 'pagedmodel_router_rate_limited_total{scope="global"} 1.0' in await r.text()
+        await up.stop()
+    run(main())
+
+
+def test_queue_full_and_queue_timeout_are_503_with_retry_after():
+    async def main():
+        up = FakeUpstream("a")
+        up.hold = asyncio.Event()
+        await started(up)
+        async with running_router(upstreams=[up.url], max_inflight_per_upstream=1, max_queue_len=1,
+                                  queue_timeout=1.0) as (app, base), aiohttp.ClientSession() as s:
+            first = asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": "1"}))
+            await eventually(lambda: len(up.served) == 1)
+            second = asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": "2"}))
+            await eventually(lambda: len(app.queue) == 1)
+            async with s.post(base + "/v1/completions", json={"prompt": "3"}) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert (await r.json())["error"]["code"] == "queue_full"
+            r2 = await asyncio.wait_for(second, 10)   # the queued one times out after 1 s
+            assert r2.status == 503 and r2.headers["Retry-After"] == "1"
+            assert (await r2.json())["error"]["code"] == "queue_timeout"
+            up.hold.set()
+            r1 = await asyncio.wait_for(first, 10)
+            assert r1.status == 200
+            assert [b["prompt"] for b in up.served] == ["1"]
+        await up.stop()
+    run(main())
+
+
+def test_queued_requests_leave_by_priority_then_arrival():
+    async def main():
+        up = FakeUpstream("a")
+        up.hold = asyncio.Event()
+        await started(up)
+        async with running_router(upstreams=[up.url], max_inflight_per_upstream=1) as (app, base), \
+                aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": "busy"}))]
+            await eventually(lambda: len(up.served) == 1)
+            for prompt, prio in [("late-a", 5), ("normal-a", 0), ("urgent", -1), ("normal-b", 0), ("late-b", 5)]:
+                tasks.append(asyncio.create_task(s.post(base + "/v1/completions",
+                                                        json={"prompt": prompt, "priority": prio})))
+                await eventually(lambda n=len(tasks) - 1: len(app.queue) == n)
+            up.hold.set()
+            for t in tasks:
+                assert (await asyncio.wait_for(t, 10)).status == 200
+        assert [b["prompt"] for b in up.served] == ["busy", "urgent", "normal-a", "normal-b", "late-a", "late-b"]
+        await up.stop()
+    run(main())
+
+
+def test_client_disconnect_while_queued_leaves_the_queue():
+    async def main():
+        up = FakeUpstream("a")
+        up.hold = asyncio.Event()
+        await started(up)
+        async with running_router(upstreams=[up.url], max_inflight_per_upstream=1) as (app, base), \
+                aiohttp.ClientSession() as s:
+            busy = asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": "busy"}))
+            await eventually(lambda: len(up.served) == 1)
+            async with aiohttp.ClientSession() as other:
+                queued = asyncio.create_task(other.post(base + "/v1/completions", json={"prompt": "gone"}))
+                await eventually(lambda: len(app.queue) == 1)
+                queued.cancel()
+            await eventually(lambda: len(app.queue) == 0)
+            up.hold.set()
+            assert (await busy).status == 200
+            await asyncio.sleep(0.1)
+        assert [b["prompt"] for b in up.served] == ["busy"]
+        await up.stop()
+    run(main())
+
+
+def test_kv_aware_routes_to_the_replica_with_most_headroom():
+    async def main():
+        full, roomy = FakeUpstream("full", kv_usage=0.95, waiting=4), FakeUpstream("roomy", kv_usage=0.1)
+        await started(full, roomy)
+        async with running_router(upstreams=[full.url, roomy.url]) as (app, base), aiohttp.ClientSession() as s:
+            await eventually(lambda: all(u.kv_usage is not None for u in app.pool.upstreams.values()))
+            for i in range(5):
+                async with s.post(base + "/v1/completions", json={"prompt": str(i)}) as r:
+                    assert (await r.json())["upstream"] == "roomy"
+        assert full.served == []
+        await full.stop()
+        await roomy.stop()
+    run(main())
+
+
+def test_connection_failure_retries_elsewhere_and_ejects_the_dead_upstream():
+    async def main():
+        live, dead = FakeUpstream("live"), FakeUpstream("dead")
+        await started(live)   # `dead` never listens: connection refused
+        async with running_router(upstreams=[dead.url, live.url], strategy="round-robin",
+                                  eject_backoff=60) as (app, base), aiohttp.ClientSession() as s:
+            for i in range(8):
+                async with s.post(base + "/v1/completions", json={"prompt": str(i)}) as r:
+                    assert r.status == 200 and (await r.json())["upstream"] == "live"
+            assert app.pool.upstreams[dead.url].ejected
+            assert len(live.served) == 8
+        await live.stop()
+    run(main())
+
+
+def test_kill_one_of_three_midrun_then_readmit():
+    async def main():
+        ups = [FakeUpstream(n) for n in "abc"]
+        await started(*ups)
+        async with running_router(upstreams=[u.url for u in ups], strategy="round-robin", eject_backoff=0.1,
+                                  eject_max_backoff=0.2) as (app, base), aiohttp.ClientSession() as s:
+            async def burst(n: int) -> list[int]:
+                async def one(i: int) -> int:
+                    async with s.post(base + "/v1/completions", json={"prompt": str(i)}) as r:
+                        return r.status
+                return await asyncio.gather(*(one(i) for i in range(n)))
+
+            assert set(await burst(30)) == {200}
+            await ups[1].stop()
+            assert set(await burst(30)) == {200}          # nothing that had not started fails
+            await eventually(lambda: app.pool.upstreams[ups[1].url].ejected)
+            before = len(ups[1].served)
+            await ups[1].start()                           # same port: it comes back
+            await eventually(lambda: not app.pool.upstreams[ups[1].url].ejected)
+            assert set(await burst(30)) == {200}
+            assert len(ups[1].served) > before
+        for u in ups:
+            await u.stop()
+    run(main())
+
+
+def test_midstream_failure_surfaces_as_openai_api_error():
+    async def main():
+        up = FakeUpstream("a")
+        up.break_after = 1
+        await started(up)
+        async with running_router(upstreams=[up.url]) as (_app, base):
+            from openai import APIError, AsyncOpenAI
+            client = AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+            stream = await client.completions.create(model="fake", prompt="x", stream=True, max_tokens=3)
+            texts = []
+            with pytest.raises(APIError, match="mid-stream"):
+                async for chunk in stream:
+                    texts.append(chunk.choices[0].text)
+            assert texts == ["t0 "]
+            await client.close()
+        await up.stop()
+    run(main())
+
+
+def test_no_upstream_ready_waits_in_queue_until_one_returns():
+    async def main():
+        up = FakeUpstream("a")
+        async with running_router(upstreams=[up.url], eject_backoff=0.05, eject_max_backoff=0.1,
+                                  failures_to_eject=1, queue_timeout=20) as (app, base), \
+                aiohttp.ClientSession() as s:
+            req = asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": "x"}))
+            # the first attempt is refused, ejects the only upstream, and the request waits in the queue
+            await eventually(lambda: app.pool.upstreams[up.url].ejected and len(app.queue) == 1)
+            await asyncio.sleep(0.3)
+            assert not req.done()
+            await up.start()
+            r = await asyncio.wait_for(req, 15)
+            assert r.status == 200 and (await r.json())["upstream"] == "a"
+        await up.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--discover", "app=x"], "not implemented yet"),
+    ([], "at least one --upstream"),
+    (["--upstream", "ftp://x"], "bad upstream URL"),
+    (["--upstream", "http://x:1", "--burst", "3"], "--burst needs --rate-limit"),
+])
+def test_cli_refuses_with_exit_2(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "router", *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stdout + proc.stderr
+
+
+def test_cli_argument_validation():
+    proc = subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "router", "--upstream", "http://x:1",
+                           "--rate-limit", "-1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "must be a positive number" in proc.stderr
