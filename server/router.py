@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -389,7 +390,7 @@ async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awa
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1] if site._server else port  # type: ignore[union-attr]
+    bound = int(runner.addresses[0][1]) if runner.addresses else port
     logger.info("router listening on %s:%d -> %d upstream(s), strategy %s", host, bound,
                 len(app.pool.upstreams), app.cfg.strategy)
     if ready is not None:
@@ -417,8 +418,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedmodel router: {exc}", flush=True)
         return 2
-    try:
-        asyncio.run(serve(app, args.host, args.port))
-    except KeyboardInterrupt:
-        return 130
+    async def main() -> None:
+        # SIGTERM (Kubernetes) and SIGINT stop accepting, then let in-flight requests finish (aiohttp's
+        # shutdown waits for running handlers) before the process exits 0.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(app, args.host, args.port, stop=stop)
+
+    asyncio.run(main())
     return 0

@@ -283,3 +283,32 @@ def test_cli_argument_validation():
     proc = subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "router", "--upstream", "http://x:1",
                            "--rate-limit", "-1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "must be a positive number" in proc.stderr
+
+
+def test_cli_serves_and_exits_0_on_sigterm(tmp_path):
+    import signal
+    import time
+
+    import httpx
+
+    from fakes import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.server.cli", "router", "--upstream",
+                             "http://127.0.0.1:9", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "router did not come up"
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert r.status_code == 200 and r.json()["upstreams"] == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
