@@ -68,9 +68,9 @@ def _error(status: int, message: str, *, code: str | None = None, retry_after: i
 def _prompt_key(body: dict[str, Any]) -> str:
     """The leading text prefix affinity hashes: the prompt, or the chat messages rendered in order."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        prompt = prompt[0] if prompt else ""
-    if isinstance(prompt, (list, tuple)):   # token ids
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]   # a batch of prompts: the first one decides
+    if isinstance(prompt, list):   # token ids
         return ",".join(map(str, prompt))
     if isinstance(prompt, str):
         return prompt

@@ -312,3 +312,33 @@ def test_cli_serves_and_exits_0_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize("body, key", [
+    ({"prompt": "abc"}, "abc"),
+    ({"prompt": ["first", "second"]}, "first"),
+    ({"prompt": [1, 2, 3]}, "1,2,3"),
+    ({"prompt": [[4, 5], [6]]}, "4,5"),
+    ({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}, "system:S\nuser:U"),
+    ({}, ""),
+])
+def test_prefix_key_of_request_bodies(body, key):
+    from pagedmodel.server.router import _prompt_key
+    assert _prompt_key(body) == key
+
+
+def test_per_client_limit_by_header_over_http():
+    async def main():
+        up = FakeUpstream("a")
+        await started(up)
+        async with running_router(upstreams=[up.url], client_rate_limit=0.1, client_burst=1,
+                                  client_header="X-Tenant") as (_app, base), aiohttp.ClientSession() as s:
+            async def status(tenant: str) -> int:
+                async with s.post(base + "/v1/completions", json={"prompt": "x"},
+                                  headers={"X-Tenant": tenant}) as r:
+                    if r.status == 429:
+                        assert r.headers["Retry-After"] == "10"
+                    return r.status
+            assert [await status("a"), await status("a"), await status("b"), await status("b")] == [200, 429, 200, 429]
+        await up.stop()
+    run(main())
