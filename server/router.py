@@ -6,6 +6,9 @@ chunk by chunk. A connection failure before any response byte is retried on anot
 an upstream failing repeatedly is ejected and re-probed (router_upstreams). Mid-stream failures
 end an SSE stream with an OpenAI-style error event, which the `openai` SDK raises as APIError.
 
+Upstreams come from `--upstream URL` (static) or `--discover SELECTOR` (Ready pods, watched via
+the Kubernetes API; see router_discovery).
+
 The router's own `/health` answers 200 whenever the router serves, even with no upstream ready:
 requests then wait in the queue (up to --queue-timeout), which is what scale-from-zero needs.
 """
@@ -26,6 +29,7 @@ from aiohttp import web
 
 from pagedmodel.server.errors import APIError
 from pagedmodel.server.router_admission import RateLimiter
+from pagedmodel.server.router_discovery import PodDiscovery, current_namespace
 from pagedmodel.server.router_metrics import RouterMetrics
 from pagedmodel.server.router_queue import AdmissionQueue, QueueFull, QueueTimeout, Ticket
 from pagedmodel.server.router_strategies import STRATEGIES, Router
@@ -95,8 +99,10 @@ class _Pending:
 class RouterApp:
     """Owns the pool, limiter, queue and strategy; builds the aiohttp application."""
 
-    def __init__(self, cfg: RouterConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: RouterConfig, *, clock: Callable[[], float] = time.monotonic,
+                 discovery: PodDiscovery | None = None) -> None:
         self.cfg = cfg
+        self.discovery = discovery
         self.clock = clock
         self.pool = UpstreamPool(cfg.upstreams, max_inflight=cfg.max_inflight_per_upstream,
                                  consecutive_failures_to_eject=cfg.failures_to_eject, base_backoff=cfg.eject_backoff,
@@ -129,8 +135,21 @@ class RouterApp:
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
             auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
         self._background = asyncio.create_task(self._maintain())
+        if self.discovery is not None:
+            loop = asyncio.get_running_loop()
+            # The watch runs in a thread; membership changes are applied on the event loop.
+            self.discovery.on_change = lambda urls: loop.call_soon_threadsafe(self.set_upstreams, urls)
+            self.discovery.start()
+
+    def set_upstreams(self, urls: list[str]) -> None:
+        """Replace the upstream set (discovery): new replicas take queued requests at once."""
+        self.pool.set_urls(urls)
+        self._dispatch()
+        self._update_gauges()
 
     async def _stop(self, _app: web.Application) -> None:
+        if self.discovery is not None:
+            self.discovery.stop()
         if self._background:
             self._background.cancel()
             try:
@@ -328,7 +347,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--upstream", action="append", default=[], metavar="URL",
                      help="engine base URL (http://host:port); repeat for several replicas")
     src.add_argument("--discover", metavar="SELECTOR",
-                     help="discover engine pods by Kubernetes label selector (not implemented yet)")
+                     help="discover engine pods by Kubernetes label selector (Ready pods, watched)")
+    parser.add_argument("--namespace", default=None,
+                        help="namespace for --discover (default: the pod's own namespace)")
+    parser.add_argument("--discover-port", type=_positive_int, default=8000,
+                        help="engine port when a discovered pod declares no container port named http")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--strategy", choices=STRATEGIES, default="kv-aware", help="how an upstream is chosen")
@@ -406,16 +429,17 @@ async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awa
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
-    if args.discover:
-        print("pagedmodel router: --discover (Kubernetes discovery) is not implemented yet; "
-              "give the engines with --upstream URL", flush=True)
-        return 2
-    if not args.upstream:
-        print("pagedmodel router: give at least one --upstream URL", flush=True)
+    if not args.upstream and not args.discover:
+        print("pagedmodel router: give at least one --upstream URL, or --discover SELECTOR", flush=True)
         return 2
     try:
-        app = RouterApp(config_from_args(args))
-    except ValueError as exc:
+        discovery = None
+        if args.discover:
+            discovery = PodDiscovery(args.discover, args.namespace or current_namespace(), lambda urls: None,
+                                     default_port=args.discover_port)
+            discovery.connect()
+        app = RouterApp(config_from_args(args), discovery=discovery)
+    except Exception as exc:   # bad flags, or no Kubernetes credentials for --discover
         print(f"pagedmodel router: {exc}", flush=True)
         return 2
     async def main() -> None:

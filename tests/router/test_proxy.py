@@ -268,7 +268,6 @@ def test_no_upstream_ready_waits_in_queue_until_one_returns():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--discover", "app=x"], "not implemented yet"),
     ([], "at least one --upstream"),
     (["--upstream", "ftp://x"], "bad upstream URL"),
     (["--upstream", "http://x:1", "--burst", "3"], "--burst needs --rate-limit"),
@@ -277,6 +276,14 @@ def test_cli_refuses_with_exit_2(argv, message):
     proc = subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "router", *argv],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stdout + proc.stderr
+
+
+def test_discover_without_kubernetes_credentials_exits_2(tmp_path):
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env.update(HOME=str(tmp_path), KUBECONFIG=str(tmp_path / "none"))
+    proc = subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "router", "--discover", "app=x"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "kube" in (proc.stdout + proc.stderr).lower()
 
 
 def test_cli_argument_validation():
@@ -341,4 +348,27 @@ def test_per_client_limit_by_header_over_http():
                     return r.status
             assert [await status("a"), await status("a"), await status("b"), await status("b")] == [200, 429, 200, 429]
         await up.stop()
+    run(main())
+
+
+def test_discovered_replicas_take_queued_requests_and_removed_ones_drain():
+    async def main():
+        a, b = FakeUpstream("a"), FakeUpstream("b")
+        a.hold = asyncio.Event()
+        await started(a, b)
+        async with running_router(upstreams=[], queue_timeout=20) as (app, base), aiohttp.ClientSession() as s:
+            req = asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": "x"}))
+            await eventually(lambda: len(app.queue) == 1)     # no replica yet (scale from zero): it waits
+            app.set_upstreams([a.url])
+            await eventually(lambda: len(a.served) == 1)
+            app.set_upstreams([b.url])                         # a is removed while busy: drained, not cut
+            assert app.pool.upstreams[a.url].draining
+            async with s.post(base + "/v1/completions", json={"prompt": "y"}) as r:
+                assert (await r.json())["upstream"] == "b"
+            a.hold.set()
+            r = await asyncio.wait_for(req, 10)
+            assert r.status == 200 and (await r.json())["upstream"] == "a"
+            await eventually(lambda: a.url not in app.pool.upstreams)
+        await a.stop()
+        await b.stop()
     run(main())
