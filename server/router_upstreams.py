@@ -24,7 +24,10 @@ from pagedmodel.server.router_strategies import UpstreamView
 logger = logging.getLogger("pagedmodel.router")
 
 SCRAPED = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:num_requests_waiting": "waiting",
-           "vllm:num_requests_running": "running"}
+           "vllm:num_requests_running": "running",
+           # The engine's --max-num-seqs, when it exports it: becomes the in-flight cap unless
+           # --max-inflight-per-upstream pins one (the engine would only queue what lies beyond).
+           "pagedmodel:max_num_seqs": "max_num_seqs"}
 
 
 def normalise_url(url: str) -> str:
@@ -163,6 +166,8 @@ class UpstreamPool:
                 attr = SCRAPED.get(sample.name)
                 if attr is not None:
                     values[attr] = values.get(attr, 0.0) + float(sample.value)  # summed over model_name labels
+        if self.max_inflight is None and values.get("max_num_seqs", 0) >= 1:
+            up.max_inflight = int(values["max_num_seqs"])
         up.kv_usage = values.get("kv_usage")
         up.waiting = values.get("waiting")
         up.running = values.get("running")

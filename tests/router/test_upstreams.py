@@ -89,3 +89,15 @@ def test_scrape_parsing_and_staleness():
     clock.advance(5.1)
     pool.expire_stale()
     assert (a.kv_usage, a.waiting, a.running) == (None, None, None)
+
+
+def test_inflight_cap_follows_the_engines_max_num_seqs_unless_pinned():
+    pool = UpstreamPool(["a:1"])
+    a = pool.upstreams["http://a:1"]
+    assert a.max_inflight is None
+    pool.apply_scrape(a, METRICS + 'pagedmodel:max_num_seqs{model_name="m"} 4.0\n')
+    assert a.max_inflight == 4
+    pinned = UpstreamPool(["a:1"], max_inflight=2)
+    b = pinned.upstreams["http://a:1"]
+    pinned.apply_scrape(b, METRICS + 'pagedmodel:max_num_seqs{model_name="m"} 4.0\n')
+    assert b.max_inflight == 2
