@@ -115,6 +115,7 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.session: aiohttp.ClientSession | None = None
         self._background: asyncio.Task[None] | None = None
+        self._gauged: set[str] = set()
 
     # lifecycle
 
@@ -179,6 +180,14 @@ class RouterApp:
         for up in self.pool.upstreams.values():
             self.metrics.inflight.labels(up.url).set(up.inflight)
             self.metrics.healthy.labels(up.url).set(0 if up.ejected else 1)
+        # Replicas discovery removed must not linger as stale series (pod IPs churn).
+        for url in self._gauged - set(self.pool.upstreams):
+            for metric in (self.metrics.inflight, self.metrics.healthy, self.metrics.latency):
+                try:
+                    metric.remove(url)
+                except KeyError:
+                    pass
+        self._gauged = set(self.pool.upstreams)
 
     # admission
 

@@ -369,6 +369,9 @@ def test_discovered_replicas_take_queued_requests_and_removed_ones_drain():
             r = await asyncio.wait_for(req, 10)
             assert r.status == 200 and (await r.json())["upstream"] == "a"
             await eventually(lambda: a.url not in app.pool.upstreams)
+            async with s.get(base + "/metrics") as r:
+                text = await r.text()
+            assert f'upstream="{b.url}"' in text and f'upstream="{a.url}"' not in text   # no stale series
         await a.stop()
         await b.stop()
     run(main())
