@@ -67,7 +67,8 @@ class FakeUpstream:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/completions", self._complete)
-        self._runner = web.AppRunner(app)
+        # No grace on stop: it behaves like a replica that dies (open connections are cut).
+        self._runner = web.AppRunner(app, shutdown_timeout=0.01)   # 0 would mean "wait forever" to aiohttp
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
 
