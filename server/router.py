@@ -321,10 +321,12 @@ class RouterApp:
     async def _relay(self, request: web.Request, upstream_resp: aiohttp.ClientResponse,
                      up: Upstream) -> web.StreamResponse:
         """Copy status and headers, then each chunk as it arrives (never the whole body at once)."""
-        if upstream_resp.status in (500, 502, 504):
+        # Only gateway-type answers count against the replica: a 500 may be one poisoned request (three
+        # of them must not eject every healthy engine) and a 503 is back-pressure from a live engine.
+        if upstream_resp.status in (502, 504):
             self.pool.record_failure(up)
-        elif upstream_resp.status < 500:
-            self.pool.record_success(up)   # 503 is back-pressure from a healthy engine, not a failure
+        else:
+            self.pool.record_success(up)
         resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
         for k, v in upstream_resp.headers.items():
             if k.lower() not in _HOP:

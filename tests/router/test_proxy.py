@@ -382,3 +382,20 @@ def test_discovered_replicas_take_queued_requests_and_removed_ones_drain():
         await a.stop()
         await b.stop()
     run(main())
+
+
+@pytest.mark.parametrize("status, ejected", [(500, False), (503, False), (502, True)])
+def test_which_upstream_errors_count_towards_ejection(status, ejected):
+    async def main():
+        up = FakeUpstream("a")
+        up.status = status
+        await started(up)
+        async with running_router(upstreams=[up.url], failures_to_eject=2, eject_backoff=60) as (app, base), \
+                aiohttp.ClientSession() as s:
+            for _ in range(2):
+                async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                    assert r.status == status   # passed through unchanged, OpenAI body and all
+                    assert (await r.json())["error"]["message"] == "boom"
+            assert app.pool.upstreams[up.url].ejected is ejected
+        await up.stop()
+    run(main())
