@@ -26,7 +26,7 @@ from .models.loader import load_weights, model_class, read_config
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampler import SamplingRow, sample
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSequence, Scheduler
+from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .stats import EngineStats
 
@@ -265,6 +265,7 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, move KV blocks, run the model, sample, and report what changed."""
         sched = self.scheduler.schedule()
         now = time.time()
         for group in sched.admitted:
@@ -276,22 +277,33 @@ class LLMEngine:
         logits, prompt_logprobs = self.runner.execute(sched)
         for i, start, logprobs in prompt_logprobs:
             self._record_prompt_logprobs(sched.scheduled[i], start, logprobs)
+        sampling = self._advance_computed(sched)
         touched: dict[str, SequenceGroup] = {}
         new_counts: dict[int, int] = {}
-        sampling: list[tuple[ScheduledSequence, Sequence]] = []
+        self._sample(sampling, logits, touched, new_counts)
+        self.scheduler.free_finished()
+        return self._collect_outputs(touched, new_counts)
+
+    def _advance_computed(self, sched: SchedulerOutput) -> list[ScheduledSequence]:
+        """Mark the step's tokens computed (committing full blocks to the prefix cache); returns the
+        sequences whose logits give their next token, in logits-row order."""
+        sampling = []
         for s in sched.scheduled:
-            seq = s.seq
-            samples = s.samples
-            seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.commit(seq, s.group.cache_salt)
+            samples = s.samples   # read before num_computed_tokens moves
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit(s.seq, s.group.cache_salt)
             if samples:
-                sampling.append((s, seq))
+                sampling.append(s)
+        return sampling
+
+    def _sample(self, sampling: list[ScheduledSequence], logits: torch.Tensor,
+                touched: dict[str, SequenceGroup], new_counts: dict[int, int]) -> None:
         rows: list[SamplingRow] = []
         targets: list[tuple[SequenceGroup, Sequence]] = []
         row_logits: list[int] = []
         now = time.time()
-        for i, (s, seq) in enumerate(sampling):
-            group = s.group
+        for i, s in enumerate(sampling):
+            group, seq = s.group, s.seq
             beams = self._beams.get(group.request_id)
             if beams is not None:
                 if beams.offer(seq, logits[i]):
@@ -307,11 +319,10 @@ class LLMEngine:
                 rows.append(self._sampling_row(group, member))
                 targets.append((group, member))
                 row_logits.append(i)
-        if rows:
-            index = torch.tensor(row_logits, dtype=torch.long, device=logits.device)
-            results = sample(logits.index_select(0, index), rows)
-        else:
-            results = []
+        if not rows:
+            return
+        index = torch.tensor(row_logits, dtype=torch.long, device=logits.device)
+        results = sample(logits.index_select(0, index), rows)
         now = time.time()
         for (group, seq), result in zip(targets, results):
             seq.append_token(result.token_id, result.logprob, result.top_logprobs)
@@ -323,7 +334,9 @@ class LLMEngine:
             self._check_stop(group, seq, result.token_id)
             new_counts[seq.seq_id] = new_counts.get(seq.seq_id, 0) + 1
             touched[group.request_id] = group
-        self.scheduler.free_finished()
+
+    def _collect_outputs(self, touched: dict[str, SequenceGroup], new_counts: dict[int, int]) -> list[RequestOutput]:
+        now = time.time()
         outputs = []
         for group in touched.values():
             if group.is_finished:
