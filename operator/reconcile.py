@@ -237,6 +237,8 @@ def router_args(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) ->
     args = ["--host", observed.bind_host, "--port", str(names.ENGINE_PORT),
             "--discover", names.selector_string(model, names.ENGINE), "--strategy", router["strategy"],
             "--max-queue-len", str(router["maxQueueLength"]), "--queue-timeout", _num(router["queueTimeoutSeconds"])]
+    if pm["metadata"].get("namespace"):  # discover engines in the model's namespace, whatever the pod can infer
+        args += ["--namespace", pm["metadata"]["namespace"]]
     if router.get("rateLimit"):
         args += ["--rate-limit", _num(router["rateLimit"]["requestsPerSecond"])]
         if router["rateLimit"].get("burst") is not None:

@@ -181,6 +181,7 @@ def test_router_shape_and_public_service_target():
     f = flags(rc["containers"][0]["args"])
     assert f["--discover"] == "app.kubernetes.io/component=engine,pagedmodel.io/name=smollm2"
     assert f["--strategy"] == "least-load" and f["--rate-limit"] == "50" and f["--burst"] == "100"
+    assert f["--namespace"] == pm["metadata"]["namespace"]   # engines are found in the model's namespace
     role = on[("Role", "smollm2-router")]
     assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in role["rules"])
     svc = on[("Service", "smollm2")]["spec"]
