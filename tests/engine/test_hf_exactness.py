@@ -41,27 +41,20 @@ TEXT = (
 
 
 @pytest.fixture(scope="module")
-def smollm2_path():
-    from pagedmodel.server.model_store import resolve_model
-
-    return resolve_model(None)
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2_path):
+def prompts(smollm2_dir):
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(str(smollm2_path))(TEXT + "\n\nA second reading:\n" + TEXT.lower()).input_ids
+    ids = AutoTokenizer.from_pretrained(str(smollm2_dir))(TEXT + "\n\nA second reading:\n" + TEXT.lower()).input_ids
     assert len(ids) >= max(PROMPT_LENGTHS) + 20
     # staggered slices of one long text: different starts so no two prompts share a prefix by accident
     return [ids[(7 * i) % 20:(7 * i) % 20 + n] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_path):
+def hf_model(smollm2_dir):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_path), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
 
 
 def hf_greedy(model, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
@@ -135,34 +128,34 @@ def assert_matches_hf(ours: list[list[int]], refs) -> None:
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_greedy_matches_hf(smollm2_path, prompts, hf_reference, block_size):
-    ours, _ = run_engine(smollm2_path, prompts, block_size=block_size)
+def test_greedy_matches_hf(smollm2_dir, prompts, hf_reference, block_size):
+    ours, _ = run_engine(smollm2_dir, prompts, block_size=block_size)
     assert_matches_hf(ours, hf_reference)
 
 
-def test_greedy_matches_hf_under_preemption(smollm2_path, prompts, hf_reference):
+def test_greedy_matches_hf_under_preemption(smollm2_dir, prompts, hf_reference):
     # 40 blocks x 16 = 640 tokens of cache for ~16 x 300 tokens of demand: recompute preemption must happen
-    ours, engine = run_engine(smollm2_path, prompts, block_size=16, num_gpu_blocks_override=40,
+    ours, engine = run_engine(smollm2_dir, prompts, block_size=16, num_gpu_blocks_override=40,
                               max_model_len=640)
     assert engine.scheduler.num_preemptions > 0
     assert_matches_hf(ours, hf_reference)
 
 
-def test_greedy_matches_hf_with_chunked_prefill(smollm2_path, prompts, hf_reference):
+def test_greedy_matches_hf_with_chunked_prefill(smollm2_dir, prompts, hf_reference):
     # a 48-token budget splits every long prompt across many steps, mixed with running decodes
-    ours, engine = run_engine(smollm2_path, prompts, block_size=16, max_num_batched_tokens=48)
+    ours, engine = run_engine(smollm2_dir, prompts, block_size=16, max_num_batched_tokens=48)
     assert_matches_hf(ours, hf_reference)
 
 
-def test_greedy_matches_hf_with_prefix_cache_hits(smollm2_path, prompts, hf_reference):
+def test_greedy_matches_hf_with_prefix_cache_hits(smollm2_dir, prompts, hf_reference):
     # every prompt twice: the second copy arrives while or after the first ran and reuses its blocks
-    ours, engine = run_engine(smollm2_path, prompts + prompts, block_size=16, enable_prefix_caching=True)
+    ours, engine = run_engine(smollm2_dir, prompts + prompts, block_size=16, enable_prefix_caching=True)
     assert engine.block_manager.prefix_hits > 0.3 * sum(map(len, prompts))
     assert_matches_hf(ours, hf_reference + hf_reference)
 
 
-def test_greedy_matches_hf_with_shared_system_prompt(smollm2_path, shared_system_prompts, shared_reference):
-    ours, engine = run_engine(smollm2_path, shared_system_prompts, new_tokens=32, block_size=16,
+def test_greedy_matches_hf_with_shared_system_prompt(smollm2_dir, shared_system_prompts, shared_reference):
+    ours, engine = run_engine(smollm2_dir, shared_system_prompts, new_tokens=32, block_size=16,
                               enable_prefix_caching=True)
     # the first three arrive together, before any block is committed; the five later ones each reuse
     # the system prompt's 96 full-block tokens
@@ -170,19 +163,19 @@ def test_greedy_matches_hf_with_shared_system_prompt(smollm2_path, shared_system
     assert_matches_hf(ours, shared_reference)
 
 
-def test_greedy_matches_hf_with_swapping(smollm2_path, prompts, hf_reference):
-    ours, engine = run_engine(smollm2_path, prompts, block_size=16, num_gpu_blocks_override=40,
+def test_greedy_matches_hf_with_swapping(smollm2_dir, prompts, hf_reference):
+    ours, engine = run_engine(smollm2_dir, prompts, block_size=16, num_gpu_blocks_override=40,
                               max_model_len=640, preemption_mode="swap")
     assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins > 0
     assert_matches_hf(ours, hf_reference)
 
 
-def test_greedy_matches_hf_with_every_path_at_once(smollm2_path, prompts, hf_reference):
+def test_greedy_matches_hf_with_every_path_at_once(smollm2_dir, prompts, hf_reference):
     # each of the first ten prompts twice in a row (the copy arrives a step or two later: a prefix hit),
     # a 96-token budget (chunked prefill), 24 blocks (preemption) and swap space for only 6 blocks
     # (some preemptions swap, the rest fall back to recompute)
     doubled = [p for p in prompts[:10] for _ in range(2)]
-    ours, engine = run_engine(smollm2_path, doubled, block_size=16, num_gpu_blocks_override=24,
+    ours, engine = run_engine(smollm2_dir, doubled, block_size=16, num_gpu_blocks_override=24,
                               max_model_len=384, enable_prefix_caching=True, max_num_batched_tokens=96,
                               preemption_mode="swap", swap_space=6 * 16 * 30 * 2 * 3 * 64 * 4 / 2**30)
     s = engine.scheduler
@@ -196,10 +189,10 @@ BEAM_CASES = [  # (prompt index, length_penalty, early_stopping)
 ]
 
 
-def test_beam_search_matches_hf(smollm2_path, prompts, hf_model):
+def test_beam_search_matches_hf(smollm2_dir, prompts, hf_model):
     """Width-4 beam search in the engine (beams forked and freed over shared, copy-on-write blocks, all
     requests in one batch) returns HF's best beam."""
-    engine = LLMEngine(EngineArgs(model=str(smollm2_path), device="cpu", dtype="float32", block_size=16,
+    engine = LLMEngine(EngineArgs(model=str(smollm2_dir), device="cpu", dtype="float32", block_size=16,
                                   kv_cache_memory=256 << 20, max_model_len=1024))
     for i, (p, lp, es) in enumerate(BEAM_CASES):
         engine.add_request(f"b{i}", prompts[p], SamplingParams(use_beam_search=True, best_of=4, n=1, temperature=0,
