@@ -4,6 +4,7 @@ Not thread-safe: one thread owns the engine (the async front runs it in a backgr
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -110,8 +111,7 @@ class LLMEngine:
         load_weights(self.model, self.model_dir, self.dtype, self.device)
         self.model.eval()
 
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim, kv_heads = self.head_dim(), self.kv_cache_heads()
         per_block = bytes_per_block(config.num_hidden_layers, args.block_size, kv_heads, head_dim, self.dtype)
         num_blocks = self._num_kv_blocks(per_block)
         if num_blocks * args.block_size < self.max_model_len:
@@ -150,8 +150,6 @@ class LLMEngine:
                 ids.update(int(i) for i in source)
         gen_cfg = self.model_dir / "generation_config.json"
         if gen_cfg.exists():
-            import json
-
             eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
             ids.update([eos] if isinstance(eos, int) else (eos or []))
         return ids
