@@ -460,4 +460,5 @@ class LLMEngine:
             fragmentation=bm.fragmentation(),
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             prefix_cache_queries_total=bm.prefix_queries, prefix_cache_hits_total=bm.prefix_hits,
-            num_preemptions_total=self.scheduler.num_preemptions)
+            num_preemptions_total=self.scheduler.num_preemptions, num_swap_outs_total=self.scheduler.num_swap_outs,
+            max_num_seqs=self.args.max_num_seqs, block_size=self.args.block_size)

@@ -23,6 +23,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Bucket edges (seconds) spanning a fast GPU decode step to a long CPU request.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.75, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
+# Token-count buckets: the tuner reads the request-length mix from these.
+_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 
 # (metric name, EngineStats attribute, help)
@@ -36,6 +38,8 @@ _GAUGES = (
     ("pagedmodel:kv_cache_blocks_total", "num_blocks_total", "KV cache blocks in the pool."),
     ("pagedmodel:kv_cache_blocks_free", "num_blocks_free", "KV cache blocks not held by any request."),
     ("pagedmodel:kv_cache_fragmentation", "fragmentation", "Share of allocated KV slots holding no token."),
+    ("pagedmodel:max_num_seqs", "max_num_seqs", "The engine's --max-num-seqs (running-batch slots)."),
+    ("pagedmodel:block_size", "block_size", "The engine's --block-size (tokens per KV block)."),
 )
 # Names without the _total suffix: prometheus-client appends it to counters.
 _COUNTERS = (
@@ -44,6 +48,7 @@ _COUNTERS = (
     ("vllm:prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
     ("vllm:prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
     ("vllm:num_preemptions", "num_preemptions_total", "Sequence preemptions (swap or recompute)."),
+    ("pagedmodel:num_swap_outs", "num_swap_outs_total", "Sequences whose KV blocks were swapped out to CPU."),
 )
 
 
@@ -83,6 +88,11 @@ class ServerMetrics:
                              labels, buckets=_REQUEST_BUCKETS, registry=self.registry)
         self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
                                     labels, buckets=_REQUEST_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt length of finished requests, in tokens.",
+                                       labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Tokens generated per finished request (all samples).",
+            labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
         # request id -> time of its last token; ITL needs it. Only the engine loop thread touches it,
         # except on_abort which the loop thread also calls; the lock covers test-side reads.
         self._last_token_time: dict[str, float] = {}
@@ -109,6 +119,8 @@ class ServerMetrics:
                     q = out.metrics.queue_time
                     if q is not None:
                         self.queue_time.labels(m).observe(max(0.0, q))
+                    self.prompt_tokens.labels(m).observe(len(out.prompt_token_ids or ()))
+                    self.generation_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
                     # One count per request, as vLLM does; n samples of one request share its reason.
                     reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
                     self.request_success.labels(m, reason).inc()

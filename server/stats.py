@@ -19,3 +19,7 @@ class EngineStats:
     prefix_cache_queries_total: int
     prefix_cache_hits_total: int
     num_preemptions_total: int
+    num_swap_outs_total: int = 0
+    # Configuration the router (per-replica in-flight cap) and the operator's tuner read back.
+    max_num_seqs: int = 0
+    block_size: int = 0

@@ -73,6 +73,14 @@ def test_metrics_token_counters_match_real_counts(small_server: ServerProcess) -
     # one inter-token gap per step after the first token (n=2 samples advance in the same step)
     assert delta(f"vllm:inter_token_latency_seconds_count{LBL}") == (5 - 1) + (9 - 1) + (4 - 1) + (3 - 1)
     assert delta(f"vllm:e2e_request_latency_seconds_sum{LBL}") > 0
+    # request-length histograms (the operator's tuner reads the length mix from them)
+    assert delta(f"vllm:request_prompt_tokens_count{LBL}") == 4
+    assert delta(f"vllm:request_prompt_tokens_sum{LBL}") == usage_prompt
+    assert delta(f"vllm:request_generation_tokens_sum{LBL}") == usage_completion
+    assert delta('vllm:request_prompt_tokens_bucket{le="16.0",model_name="small"}') == 2   # 3 and 2 tokens
+    # configuration gauges (the router caps in-flight requests per replica at max_num_seqs)
+    assert after[f"pagedmodel:max_num_seqs{LBL}"] == MAX_NUM_SEQS
+    assert after[f"pagedmodel:block_size{LBL}"] == 16
     # every name from the architecture contract is exported, with the model_name label
     for name in ("vllm:num_requests_swapped", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
                  "vllm:cpu_cache_usage_perc", "pagedmodel:kv_cache_fragmentation", "vllm:prefix_cache_queries_total",
