@@ -70,7 +70,9 @@ def resolve_command(argv: list[str]) -> list[str]:
 
 
 def build(api: Api, pod: dict[str, Any], container: dict[str, Any], api_host: str,
-          api_port: int) -> tuple[list[str], dict[str, str]]:
+          api_port: int, kubeconfig: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and env of one container. ``kubeconfig``: the pod's service-account stand-in (see
+    credentials.py), exported as ``KUBECONFIG`` unless the container sets that variable itself."""
     ns = pod["metadata"]["namespace"]
     env: dict[str, str] = {
         "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
@@ -82,6 +84,8 @@ def build(api: Api, pod: dict[str, Any], container: dict[str, Any], api_host: st
         # Logs must appear as they are written (kubectl logs -f), not when a buffer fills.
         "PYTHONUNBUFFERED": "1",
     }
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = kubeconfig
     for source in container.get("envFrom") or []:
         prefix = source.get("prefix", "")
         for kind, key in (("configmap", "configMapRef"), ("secret", "secretRef")):

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 from ..apiserver.api import Api, now_iso
 from ..apiserver.errors import ApiError
 from ..apiserver.store import WatchEvent
-from . import environment, process
+from . import credentials, environment, process
 from .container import ContainerWorker
 from .node import node_object
 
@@ -72,13 +72,23 @@ class PodRuntime:
             pod = self._current()
             pod.setdefault("status", {})["podIP"] = self.ip
             pod["status"]["hostIP"] = self.kubelet.node_ip
-            argv, env = environment.build(self.kubelet.api, pod, spec, self.kubelet.api_host, self.kubelet.api_port)
+            argv, env = environment.build(self.kubelet.api, pod, spec, self.kubelet.api_host, self.kubelet.api_port,
+                                          kubeconfig=self._credentials(pod))
             # The device plugin's part: a container sees exactly the GPUs assigned to it (none if it asked none).
             visible = ",".join(str(i) for i in self.gpus.get(spec["name"], []))
             env["CUDA_VISIBLE_DEVICES"] = visible
             env["NVIDIA_VISIBLE_DEVICES"] = visible or "void"
             return argv, env
         return prepare
+
+    def _credentials(self, pod: dict[str, Any]) -> str | None:
+        """Path of the pod's service-account kubeconfig, or None when no token would be mounted."""
+        if not self.kubelet.api_url or not credentials.automounts_token(self.kubelet.api, pod):
+            return None   # no API server to point at (a bare kubelet), or a pod that opted out
+        # A hidden directory: container names (log directories here) are DNS labels and never start with ".".
+        path = self.dir / ".serviceaccount" / "kubeconfig"
+        return str(credentials.write_kubeconfig(path, self.kubelet.api_url, self.namespace,
+                                                credentials.service_account_name(pod)))
 
     def _emitter(self, container: str) -> Any:
         def emit(etype: str, reason: str, message: str) -> None:
@@ -153,6 +163,7 @@ class Kubelet:
         self.node_ip = f"{pod_network}.1"
         self.workdir = Path(workdir)
         self.restart_backoff_s = restart_backoff_s
+        self.api_url = api_url
         parsed = urlparse(api_url or "http://127.0.0.1:0")
         self.api_host, self.api_port = parsed.hostname or "127.0.0.1", parsed.port or 0
         self.pods: dict[str, PodRuntime] = {}
