@@ -16,6 +16,7 @@ from urllib.parse import quote
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from . import names
 from .reconcile import config_hash
 
 ANNOTATION_APPLIED = "pagedmodel.io/applied-hash"
@@ -73,13 +74,30 @@ class Kube:
             raise
 
     def list(self, path: str, label_selector: str) -> list[dict[str, Any]]:
-        return list((self._call("GET", path, query=[("labelSelector", label_selector)]) or {}).get("items") or [])
+        query = [("labelSelector", label_selector)] if label_selector else []
+        return list((self._call("GET", path, query=query) or {}).get("items") or [])
 
     def exists(self, namespace: str, plural: str, name: str) -> bool:
         return self.get(f"/api/v1/namespaces/{quote(namespace)}/{plural}/{quote(name)}") is not None
 
     def pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         return self.list(f"/api/v1/namespaces/{quote(namespace)}/pods", label_selector)
+
+    def external_autoscaler(self, namespace: str, model: str) -> str | None:
+        """The name of a HorizontalPodAutoscaler that scales this PagedModel (through its scale
+        subresource), if any: then the built-in autoscaler stands aside."""
+        try:
+            hpas = self.list(f"/apis/autoscaling/v2/namespaces/{quote(namespace)}/horizontalpodautoscalers", "")
+        except ApiException as exc:
+            if exc.status in (403, 404):      # no RBAC for it or no such API: nothing to defer to
+                return None
+            raise
+        for hpa in hpas:
+            ref = (hpa.get("spec") or {}).get("scaleTargetRef") or {}
+            if ref.get("kind") == names.KIND and ref.get("name") == model and \
+                    str(ref.get("apiVersion", "")).split("/")[0] == names.GROUP:
+                return (hpa.get("metadata") or {}).get("name")
+        return None
 
     def apply(self, manifest: dict[str, Any]) -> Applied:
         meta = manifest["metadata"]

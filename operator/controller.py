@@ -7,14 +7,16 @@ that becomes phase Failed with an InvalidSpec event.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
 from . import names
 from .children import Kube
-from .metrics import Fetch, aggregate, ready_pod_ips, scrape
+from .metrics import EngineSample, Fetch, aggregate, observe, ready_pods, scrape
 from .reconcile import Observed, desired_state, effective_engine, engine_replicas, service_url
+from .scaling import ScrapeResult, epoch, plan, scrape_due
 from .spec import parse_source, validate, with_defaults
 from .status import compute_status
 
@@ -30,6 +32,15 @@ class Event:
 class Outcome:
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
+    annotations: dict[str, str] = field(default_factory=dict)    # to set on the PagedModel (tuner overrides)
+
+
+@dataclass
+class Memory:
+    """What one operator process keeps between passes that need not survive it: per-pod counter
+    baselines (a restart loses one interval of counter increments, nothing else)."""
+
+    baselines: dict[str, dict[str, EngineSample]] = field(default_factory=dict)    # PagedModel uid -> pod -> sample
 
 
 def now_iso() -> str:
@@ -79,9 +90,13 @@ def _engine_change(previous: dict[str, Any] | None, engine: dict[str, Any]) -> s
 
 
 def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None,
-              fetch: Fetch | None = None, bind_host: str = "0.0.0.0") -> Outcome:
-    """One pass; `fetch` (URL -> text) scrapes the ready engines' metrics into status.metrics when given."""
+              fetch: Fetch | None = None, bind_host: str = "0.0.0.0", memory: Memory | None = None,
+              clock: float | None = None) -> Outcome:
+    """One pass. With `fetch` (URL -> text) the ready engines are scraped when spec.autoscaling.intervalSeconds
+    has passed since the last scrape, and the autoscaler and tuner decide on the fresh observation."""
+    clock = clock if clock is not None else (epoch(now) if now else time.time())
     now = now or now_iso()
+    memory = memory if memory is not None else Memory()
     meta = pm["metadata"]
     model, namespace = meta["name"], meta["namespace"]
     old_status = pm.get("status") or {}
@@ -98,6 +113,29 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
 
     observed = observed_from(pm, router_enabled, bind_host)
     blocked = missing_dependencies(kube, namespace, spec)
+    engine_path = kube.path("Deployment", namespace, names.engine_name(model))
+    before = kube.get(engine_path)
+    pods = kube.pods(namespace, selector)
+
+    # ---- scrape, autoscale, tune: decide the replica count and overrides before applying the children
+    result = None
+    if fetch is not None and scrape_due(spec, old_status, clock):
+        ready = ready_pods(pods)
+        scrapes = scrape(ready, names.ENGINE_PORT, fetch)
+        observation, memory.baselines[meta.get("uid", model)] = observe(
+            scrapes, memory.baselines.get(meta.get("uid", model), {}), clock)
+        result = ScrapeResult(len(ready), scrapes, observation)
+    current = engine_replicas(spec, observed)
+    scaling = plan(spec, old_status, result, current=current, engine=effective_engine(spec, observed),
+                   tuned=observed.tuned, now=clock, generation=int(meta.get("generation") or 0),
+                   rolling_out=_rolling_out(before), external_hpa=kube.external_autoscaler(namespace, model))
+    annotations = {}
+    if scaling.tuned != observed.tuned:
+        annotations[names.ANNOTATION_TUNED] = json.dumps(scaling.tuned, sort_keys=True)
+    observed = replace(observed, tuned=scaling.tuned, engine_replicas=(
+        scaling.desired_replicas if scaling.desired_replicas is not None else observed.engine_replicas))
+    events += [Event(*e) for e in scaling.events]
+
     engine = effective_engine(spec, observed)
     applied = [kube.apply(m) for m in desired_state(pm, observed)]
     created = [f"{a.kind}/{a.name}" for a in applied if a.action == "created"]
@@ -106,24 +144,44 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
         events.append(Event("Normal", "Created", "created " + ", ".join(created)))
     if updated:
         events.append(Event("Normal", "Updated", "updated " + ", ".join(f"{a.kind}/{a.name}" for a in updated)))
+    tuner_said = any(e.reason == "EngineArgsChanged" for e in events)
     for a in updated:
-        if a.kind == "Deployment" and a.name == names.engine_name(model):
+        if a.kind == "Deployment" and a.name == names.engine_name(model) and not tuner_said:
             change = _engine_change(a.previous, engine)
             if change:
                 events.append(Event("Normal", "EngineArgsChanged", f"rolling engines: {change}"))
 
-    deployment = kube.get(kube.path("Deployment", namespace, names.engine_name(model)))
-    pods = kube.pods(namespace, selector)
+    deployment = kube.get(engine_path)
     status = compute_status(pm, desired_replicas=engine_replicas(spec, observed), selector=selector,
                             url=service_url(pm), engine={k: v for k, v in sorted(engine.items())},
                             deployment=deployment, pods=pods, blocked=blocked, now=now)
-    if fetch is not None:
-        metrics = aggregate(scrape(ready_pod_ips(pods), names.ENGINE_PORT, fetch), old_status.get("metrics"), now)
+    status["conditions"] += scaling.conditions
+    status.update(scaling.status)
+    for key in ("lastScale", "scaleHistory", "autoscaler", "tuning"):
+        if key not in status and key in old_status:
+            status[key] = old_status[key]
+    if result is not None:
+        samples = [s.sample for s in result.scrapes if s.sample is not None]
+        metrics = aggregate(samples, old_status.get("metrics"), now)
         if metrics is not None:
             status["metrics"] = metrics
+    elif old_status.get("metrics"):
+        stale = any(c["type"] == "MetricsAvailable" and c["status"] == "False" for c in scaling.conditions)
+        status["metrics"] = {**old_status["metrics"], "stale": stale or bool(old_status["metrics"].get("stale"))}
     if blocked and (old_status.get("message") != status["message"]):
         events.append(Event("Warning", "MissingDependency", status["message"]))
     if old_status.get("phase") != status["phase"] and not blocked:
         kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
         events.append(Event(kind, status["phase"], status["message"]))
-    return Outcome(status, events)
+    return Outcome(status, events, annotations)
+
+
+def _rolling_out(deployment: dict[str, Any] | None) -> bool:
+    """The engine Deployment is still converging on its template or replica count."""
+    if deployment is None:
+        return True
+    spec, st = deployment.get("spec") or {}, deployment.get("status") or {}
+    want = int(spec.get("replicas") or 0)
+    return (int(st.get("observedGeneration") or 0) < int((deployment.get("metadata") or {}).get("generation") or 0)
+            or int(st.get("updatedReplicas") or 0) < want or int(st.get("readyReplicas") or 0) < want
+            or int(st.get("replicas") or 0) > want)

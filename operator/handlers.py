@@ -18,7 +18,7 @@ from kubernetes import config as k8s_config
 
 from . import names
 from .children import Kube
-from .controller import reconcile
+from .controller import Memory, reconcile
 from .metrics import http_fetch
 
 
@@ -27,7 +27,7 @@ RETRY_BACKOFF_S = 5.0
 
 @dataclass
 class OperatorConfig:
-    status_interval_s: float = 10.0
+    status_interval_s: float = 5.0
     router: str = "auto"            # auto | enabled | disabled
     bind: str = "all"               # all: pods listen on 0.0.0.0 | pod-ip: on $(POD_IP) only
 
@@ -48,6 +48,7 @@ def _api_client() -> k8s.ApiClient:
 def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     """Attach the PagedModel handlers to `registry` (a fresh one per operator run)."""
     state: dict[str, Any] = {}
+    memory = Memory()
     router_enabled = {"enabled": True, "disabled": False}.get(cfg.router)
     if router_enabled is None:
         router_enabled = router_available()
@@ -72,7 +73,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         pm = {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
               "status": dict(body.get("status") or {})}
         outcome = reconcile(kube(), _plain(pm), router_enabled=router_enabled,
-                            fetch=http_fetch if scrape else None, bind_host=bind_host)
+                            fetch=http_fetch if scrape else None, bind_host=bind_host, memory=memory)
+        for key, value in outcome.annotations.items():
+            patch.metadata.annotations[key] = value
         for event in outcome.events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message)
             logger.info("%s: %s", event.reason, event.message)

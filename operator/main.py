@@ -12,8 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope.add_argument("-n", "--namespace", action="append", default=[], metavar="NS",
                        help="watch this namespace (repeatable; globs like 'team-*' allowed)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
-    parser.add_argument("--status-interval", type=float, default=10.0, metavar="S",
-                        help="seconds between status refreshes of each PagedModel (default 10)")
+    parser.add_argument("--status-interval", type=float, default=5.0, metavar="S",
+                        help="seconds between status refreshes of each PagedModel (default 5); engines are "
+                             "scraped every spec.autoscaling.intervalSeconds, checked at each refresh")
     parser.add_argument("--router", choices=["auto", "enabled", "disabled"], default="auto",
                         help="deploy `pagedmodel router` in front of the engines (auto: when this build has it)")
     parser.add_argument("--pod-bind", choices=["all", "pod-ip"], default="all",

@@ -1,19 +1,36 @@
-"""Engine metrics for status and the KV% / WAITING printer columns: parse, aggregate (pure), scrape (I/O).
+"""Engine metrics for status, the autoscaler and the tuner: parse and aggregate (pure), scrape (I/O).
 
-The engines export vLLM-named Prometheus gauges; the operator reads three of them from each ready pod
-and reports the mean KV-cache usage and the summed queue lengths. A scrape that fails for every pod
-keeps the last numbers and marks them stale rather than blanking the columns.
+Every ready engine pod exports vLLM-named Prometheus metrics. The operator reads, per pod, the load
+gauges (KV usage, waiting, running), its configuration (max_num_seqs, block_size) and the counters whose
+increments tell the tuner about memory thrash and the request-length mix. Pods are scraped
+concurrently with a per-pod timeout, so one stuck engine costs at most that timeout, never the loop.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .observation import Observation
+
 KV_USAGE = "vllm:kv_cache_usage_perc"
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
+REQUIRED = (KV_USAGE, WAITING, RUNNING)
+# sample name -> EngineSample field, for what is optional (older engines or other servers lack them)
+OPTIONAL = {
+    "pagedmodel:max_num_seqs": "max_num_seqs",
+    "pagedmodel:block_size": "block_size",
+    "vllm:num_preemptions_total": "preemptions_total",
+    "pagedmodel:num_swap_outs_total": "swap_outs_total",
+    "vllm:request_prompt_tokens_count": "finished_total",
+    "vllm:request_prompt_tokens_sum": "prompt_tokens_total",
+    "vllm:request_generation_tokens_sum": "generation_tokens_total",
+}
+COUNTERS = ("preemptions_total", "swap_outs_total", "finished_total", "prompt_tokens_total", "generation_tokens_total")
+SCRAPE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -21,19 +38,41 @@ class EngineSample:
     kv_cache_usage: float      # 0-1
     waiting: int
     running: int
+    max_num_seqs: int = 0
+    block_size: int = 0
+    # cumulative counters since the engine started
+    preemptions_total: float = 0.0
+    swap_outs_total: float = 0.0
+    finished_total: float = 0.0
+    prompt_tokens_total: float = 0.0
+    generation_tokens_total: float = 0.0
+
+
+@dataclass(frozen=True)
+class PodScrape:
+    """One pod's answer in a pass: a sample, or why there is none."""
+
+    pod: str
+    sample: EngineSample | None
+    error: str = ""
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
-    """The three gauges from one engine's /metrics text (summed over label sets); ValueError if absent."""
+    """One engine's /metrics text (values summed over label sets); ValueError if a load gauge is absent."""
     values: dict[str, float] = {}
+    wanted = set(REQUIRED) | set(OPTIONAL)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (KV_USAGE, WAITING, RUNNING):
+            if sample.name in wanted:
                 values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
-    missing = [n for n in (KV_USAGE, WAITING, RUNNING) if n not in values]
+    missing = [n for n in REQUIRED if n not in values]
     if missing:
         raise ValueError(f"metrics lack {', '.join(missing)}")
-    return EngineSample(min(1.0, max(0.0, values[KV_USAGE])), int(values[WAITING]), int(values[RUNNING]))
+    extra: dict[str, Any] = {field: values[name] for name, field in OPTIONAL.items() if name in values}
+    for field in ("max_num_seqs", "block_size"):
+        if field in extra:
+            extra[field] = int(extra[field])
+    return EngineSample(min(1.0, max(0.0, values[KV_USAGE])), int(values[WAITING]), int(values[RUNNING]), **extra)
 
 
 def aggregate(samples: list[EngineSample], previous: dict[str, Any] | None, now: str) -> dict[str, Any] | None:
@@ -45,36 +84,98 @@ def aggregate(samples: list[EngineSample], previous: dict[str, Any] | None, now:
     usage = sum(s.kv_cache_usage for s in samples) / len(samples)
     return {"kvCacheUsage": round(usage, 4), "kvCachePercent": int(round(usage * 100)),
             "waiting": sum(s.waiting for s in samples), "running": sum(s.running for s in samples),
-            "scrapedAt": now, "stale": False}
+            "engines": len(samples), "scrapedAt": now, "stale": False}
+
+
+def observe(scrapes: list[PodScrape], baselines: dict[str, EngineSample], now: float
+            ) -> tuple[Observation | None, dict[str, EngineSample]]:
+    """This pass as one Observation, and the counter baselines for the next pass.
+
+    Counter increments are per pod against that pod's previous sample: a pod seen for the first time, or
+    one whose counter went down (the engine restarted), contributes nothing this pass rather than its
+    whole history.
+    """
+    samples = [(s.pod, s.sample) for s in scrapes if s.sample is not None]
+    if not samples:
+        return None, {}
+    increments = dict.fromkeys(COUNTERS, 0.0)
+    for pod, sample in samples:
+        before = baselines.get(pod)
+        if before is None:
+            continue
+        for name in COUNTERS:
+            delta = getattr(sample, name) - getattr(before, name)
+            if delta > 0:
+                increments[name] += delta
+    engines = [s for _, s in samples]
+    configured = [s.max_num_seqs for s in engines if s.max_num_seqs]
+    blocks = [s.block_size for s in engines if s.block_size]
+    obs = Observation(
+        time=now, engines=len(engines),
+        kv_cache_usage=round(sum(s.kv_cache_usage for s in engines) / len(engines), 4),
+        waiting=sum(s.waiting for s in engines), running=sum(s.running for s in engines),
+        # mid-rollout engines may differ: the smallest is what binds
+        max_num_seqs=min(configured) if configured else 0, block_size=min(blocks) if blocks else 0,
+        preemptions=increments["preemptions_total"], swap_outs=increments["swap_outs_total"],
+        finished=increments["finished_total"], prompt_tokens=increments["prompt_tokens_total"],
+        generation_tokens=increments["generation_tokens_total"])
+    return obs, {pod: sample for pod, sample in samples}
+
+
+def ready_pods(pods: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(name, IP) of engine pods that pass readiness and are not being deleted."""
+    out = []
+    for pod in pods:
+        st, meta = pod.get("status") or {}, pod.get("metadata") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        if ready and st.get("podIP") and not meta.get("deletionTimestamp"):
+            out.append((meta.get("name", st["podIP"]), st["podIP"]))
+    return out
 
 
 def ready_pod_ips(pods: Iterable[dict[str, Any]]) -> list[str]:
-    out = []
-    for pod in pods:
-        st = pod.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
-        if ready and st.get("podIP") and not (pod.get("metadata") or {}).get("deletionTimestamp"):
-            out.append(st["podIP"])
-    return out
+    return [ip for _, ip in ready_pods(pods)]
 
 
 Fetch = Callable[[str], str]     # URL -> response text; raises on failure
 
 
-def scrape(ips: list[str], port: int, fetch: Fetch) -> list[EngineSample]:
-    """One sample per engine that answered with parseable metrics; the others are skipped."""
-    samples = []
-    for ip in ips:
-        try:
-            samples.append(parse_engine_metrics(fetch(f"http://{ip}:{port}/metrics")))
-        except Exception:       # an engine restarting or overloaded must not fail the whole pass
-            continue
-    return samples
+def scrape(pods: list[tuple[str, str]], port: int, fetch: Fetch, timeout_s: float = SCRAPE_TIMEOUT_S,
+           max_workers: int = 16) -> list[PodScrape]:
+    """Every (name, IP) scraped concurrently; a pod that errs or outlasts timeout_s gets an error entry.
+
+    `fetch` should enforce its own timeout too (http_fetch does); the deadline here bounds the pass even
+    when it does not.
+    """
+    if not pods:
+        return []
+
+    def one(ip: str) -> EngineSample:
+        return parse_engine_metrics(fetch(f"http://{ip}:{port}/metrics"))
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(max_workers, len(pods)),
+                                                 thread_name_prefix="scrape")
+    try:
+        futures = {name: pool.submit(one, ip) for name, ip in pods}
+        concurrent.futures.wait(futures.values(), timeout=timeout_s + 0.5)
+        out = []
+        for name, future in futures.items():
+            if not future.done():
+                out.append(PodScrape(name, None, f"no answer within {timeout_s:g} s"))
+            elif future.exception() is not None:
+                exc = future.exception()
+                out.append(PodScrape(name, None, f"{type(exc).__name__}: {exc}"[:200]))
+            else:
+                out.append(PodScrape(name, future.result()))
+        return out
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)   # a stuck fetch must not hold the pass
 
 
-def http_fetch(url: str, timeout_s: float = 2.0) -> str:
+def http_fetch(url: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> str:
     import httpx
 
     response = httpx.get(url, timeout=timeout_s)
     response.raise_for_status()
     return response.text
+

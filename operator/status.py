@@ -74,7 +74,7 @@ def describe(problems: list[PodProblem]) -> str:
     return "; ".join(parts)
 
 
-def _condition(previous: dict[str, dict[str, Any]], ctype: str, status: bool, reason: str, message: str,
+def condition(previous: dict[str, dict[str, Any]], ctype: str, status: bool, reason: str, message: str,
                generation: int, now: str) -> dict[str, Any]:
     text = "True" if status else "False"
     prev = previous.get(ctype)
@@ -129,12 +129,12 @@ def compute_status(pm: dict[str, Any], *, desired_replicas: int, selector: str, 
     available = ready > 0 and not invalid
     progressing = phase in ("Progressing", "Pending") and not invalid and not blocked
     conditions = [
-        _condition(previous, "Ready", phase == "Ready", reason, message, generation, now),
-        _condition(previous, "Available", available, "MinimumReplicasAvailable" if available else "NoReadyReplicas",
+        condition(previous, "Ready", phase == "Ready", reason, message, generation, now),
+        condition(previous, "Available", available, "MinimumReplicasAvailable" if available else "NoReadyReplicas",
                    f"{ready} engine(s) serving", generation, now),
-        _condition(previous, "Progressing", progressing, reason if progressing else "Stable",
+        condition(previous, "Progressing", progressing, reason if progressing else "Stable",
                    message if progressing else "no rollout in progress", generation, now),
-        _condition(previous, "Degraded", phase in ("Degraded", "Failed"),
+        condition(previous, "Degraded", phase in ("Degraded", "Failed"),
                    reason if phase in ("Degraded", "Failed") else "AsExpected",
                    message if phase in ("Degraded", "Failed") else "no failing engine pods", generation, now),
     ]

@@ -48,7 +48,7 @@ def test_default_render_is_cluster_wide_with_one_recreate_replica():
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
     c = operator_container(docs)
     assert c["command"] == ["pagedmodel", "operator"] and c["image"] == "ghcr.io/pagedmodel/pagedmodel:0.1.0"
-    assert c["args"] == ["--all-namespaces", "--log-level=info", "--status-interval=10", "--router=auto", "--pod-bind=all",
+    assert c["args"] == ["--all-namespaces", "--log-level=info", "--status-interval=5", "--router=auto", "--pod-bind=all",
                          "--liveness=http://$(POD_IP):8080/healthz"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -81,6 +81,7 @@ def test_rbac_is_least_privilege():
     assert verbs[("apps", "deployments")] == {"get", "create", "update"}
     assert verbs[("pagedmodel.io", "pagedmodels/status")] == {"get", "patch"}
     assert verbs[("", "events")] == {"create"}
+    assert verbs[("autoscaling", "horizontalpodautoscalers")] == {"list"}
     # Every kind the operator applies is covered (children.PATHS is the operator's write list).
     from pagedmodel.operator.children import PATHS
     for kind, (prefix, plural) in PATHS.items():

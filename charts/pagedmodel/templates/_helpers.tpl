@@ -59,6 +59,10 @@ app.kubernetes.io/component: operator
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
+# An external HorizontalPodAutoscaler targeting a PagedModel turns the built-in autoscaler off.
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["list"]
 # Existence checks of what a spec names (a PVC, image pull secrets): get only, never list.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims", "secrets"]
