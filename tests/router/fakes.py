@@ -39,10 +39,12 @@ class FakeUpstream:
     `stream: true` with `between` awaited between them; `break_after` aborts a stream mid-way.
     """
 
-    def __init__(self, name: str, *, kv_usage: float = 0.0, waiting: float = 0.0) -> None:
+    def __init__(self, name: str, *, kv_usage: float = 0.0, waiting: float = 0.0,
+                 max_num_seqs: int | None = None) -> None:
         self.name = name
         self.kv_usage = kv_usage
         self.waiting = waiting
+        self.max_num_seqs = max_num_seqs     # exported as pagedmodel:max_num_seqs when set, as the engine does
         self.port = free_port()
         self.served: list[dict] = []
         self.hold: asyncio.Event | None = None
@@ -78,8 +80,11 @@ class FakeUpstream:
             self._runner = None
 
     async def _metrics(self, _r: web.Request) -> web.Response:
-        return web.Response(text=(f'vllm:kv_cache_usage_perc{{model_name="fake"}} {self.kv_usage}\n'
-                                  f'vllm:num_requests_waiting{{model_name="fake"}} {self.waiting}\n'))
+        text = (f'vllm:kv_cache_usage_perc{{model_name="fake"}} {self.kv_usage}\n'
+                f'vllm:num_requests_waiting{{model_name="fake"}} {self.waiting}\n')
+        if self.max_num_seqs is not None:
+            text += f'pagedmodel:max_num_seqs{{model_name="fake"}} {float(self.max_num_seqs)}\n'
+        return web.Response(text=text)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

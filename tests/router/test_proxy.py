@@ -399,3 +399,37 @@ def test_which_upstream_errors_count_towards_ejection(status, ejected):
             assert app.pool.upstreams[up.url].ejected is ejected
         await up.stop()
     run(main())
+
+
+def test_discovered_upstream_is_capped_at_its_scraped_max_num_seqs():
+    """An engine discovery adds, exporting pagedmodel:max_num_seqs, never holds more requests than that from
+    the router: the rest wait in the router's queue. An engine that does not export it is not capped."""
+    async def main():
+        capped, uncapped = FakeUpstream("capped", max_num_seqs=2), FakeUpstream("uncapped")
+        capped.hold, uncapped.hold = asyncio.Event(), asyncio.Event()
+        await started(capped, uncapped)
+        for up in (capped, uncapped):
+            async with running_router(upstreams=[], queue_timeout=20) as (app, base), \
+                    aiohttp.ClientSession() as s:
+                app.set_upstreams([up.url])                       # as discovery hands it over
+                await eventually(lambda: app.pool.upstreams[up.url].scraped_at is not None)
+                reqs = [asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": str(i)}))
+                        for i in range(3)]
+                if up is capped:
+                    await eventually(lambda: len(up.served) == 2 and len(app.queue) == 1)
+                    assert app.pool.upstreams[up.url].max_inflight == 2
+                    async with s.get(base + "/metrics") as r:
+                        text = await r.text()
+                    assert f'pagedmodel_router_upstream_inflight{{upstream="{up.url}"}} 2.0' in text
+                    assert "pagedmodel_router_queue_length 1.0" in text
+                else:
+                    await eventually(lambda: len(up.served) == 3)
+                    assert app.pool.upstreams[up.url].max_inflight is None and len(app.queue) == 0
+                up.hold.set()                                     # the queued one goes once a slot frees
+                for r in await asyncio.wait_for(asyncio.gather(*reqs), 10):
+                    assert r.status == 200
+                    r.release()
+                assert sorted(b["prompt"] for b in up.served) == ["0", "1", "2"]
+        await capped.stop()
+        await uncapped.stop()
+    run(main())
