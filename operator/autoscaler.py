@@ -92,18 +92,26 @@ class AutoscalingPolicy:
 
 @dataclass(frozen=True)
 class AutoscalerState:
-    """What must survive between passes and operator restarts (persisted in status)."""
+    """What must survive between passes and operator restarts (persisted in status).
+
+    `recommendations` is compacted: a recommendation that a later one dominates for every future
+    window (a later one at least as high for the scale-down max, at most as low for the scale-up min)
+    is dropped, so the list stays a few entries long even with a 1 s interval and a 24 h window.
+    `history_since` is when the unbroken run of passes began (a gap of more than 3 intervals, such
+    as an operator outage or stale metrics, restarts it): scale-down needs the whole window covered.
+    """
 
     recommendations: tuple[tuple[float, int], ...] = ()   # (time, replicas) within the stabilization windows
     panic_until: float | None = None
     last_scale_time: float | None = None
+    history_since: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"recommendations": [[round(t, 3), n] for t, n in self.recommendations]}
-        if self.panic_until is not None:
-            out["panicUntil"] = round(self.panic_until, 3)
-        if self.last_scale_time is not None:
-            out["lastScaleTime"] = round(self.last_scale_time, 3)
+        for key, value in (("panicUntil", self.panic_until), ("lastScaleTime", self.last_scale_time),
+                           ("historySince", self.history_since)):
+            if value is not None:
+                out[key] = round(value, 3)
         return out
 
     @classmethod
@@ -111,16 +119,17 @@ class AutoscalerState:
         """Tolerant: garbage gives an empty state (the autoscaler then acts as after a fresh start)."""
         if not isinstance(raw, dict):
             return cls()
-        recs: list[tuple[float, int]] = []
+        recs: dict[float, int] = {}
         items = raw.get("recommendations")
         for item in items if isinstance(items, list) else []:
             if (isinstance(item, (list, tuple)) and len(item) == 2 and _finite(item[0])
                     and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= 0):
-                recs.append((float(item[0]), item[1]))
-        recs.sort()
-        panic = raw.get("panicUntil")
-        last = raw.get("lastScaleTime")
-        return cls(tuple(recs), float(panic) if _finite(panic) else None, float(last) if _finite(last) else None)
+                recs[float(item[0])] = item[1]
+
+        def num(key: str) -> float | None:
+            v = raw.get(key)
+            return float(v) if _finite(v) else None
+        return cls(tuple(sorted(recs.items())), num("panicUntil"), num("lastScaleTime"), num("historySince"))
 
 
 def _finite(v: Any) -> bool:
@@ -144,7 +153,196 @@ def trim(window: Sequence[Observation], policy: AutoscalingPolicy, now: float) -
     return sorted((o for o in window if o.time >= horizon), key=lambda o: o.time)
 
 
+def _clamp(n: int, policy: AutoscalingPolicy) -> int:
+    return min(max(n, policy.min_replicas), policy.max_replicas)
+
+
+def _limited(wish: int, policy: AutoscalingPolicy) -> str | None:
+    if wish > policy.max_replicas:
+        return f"maxReplicas {policy.max_replicas} reached; load asks for {wish}"
+    if wish < policy.min_replicas:
+        return f"minReplicas {policy.min_replicas} holds; load asks for {wish}"
+    return None
+
+
+def _cmp(value: float, target: float) -> str:
+    return ">" if value > target else "<="
+
+
+@dataclass(frozen=True)
+class _Load:
+    """The window's load, in engine units: how many engines would run exactly at target."""
+
+    demand: float            # max of the two signals' demands, mean over the stable window
+    ratio: float             # demand / engines answering now
+    engines: int             # engines answering in the newest scrape
+    kv: float                # mean kv usage over the window
+    waiting_per_engine: float
+    scrapes: int
+    idle: bool               # no request ran, waited or finished in the whole window
+
+
+def _load(obs: Sequence[Observation], policy: AutoscalingPolicy) -> _Load:
+    n = len(obs)
+    # Demand is summed over engines (usage x engines), so it is independent of how many engines
+    # share the load: a pass that sees a new engine come up does not change it (no double scaling).
+    kv_demand = sum(o.kv_cache_usage * o.engines for o in obs) / n / policy.target_kv_cache_usage
+    wait_demand = (sum(o.waiting for o in obs) / n / policy.target_waiting_per_replica
+                   if policy.target_waiting_per_replica > 0 else 0.0)
+    demand = max(kv_demand, wait_demand)
+    engines = obs[-1].engines
+    return _Load(demand=demand, ratio=demand / engines, engines=engines,
+                 kv=sum(o.kv_cache_usage for o in obs) / n,
+                 waiting_per_engine=sum(o.waiting_per_engine for o in obs) / n, scrapes=n,
+                 idle=all(o.running == 0 and o.waiting == 0 and o.finished == 0 for o in obs))
+
+
+def _describe(load: _Load, policy: AutoscalingPolicy) -> str:
+    kv = f"kv cache usage {load.kv:.2f} {_cmp(load.kv, policy.target_kv_cache_usage)} " \
+         f"target {policy.target_kv_cache_usage:.2f}"
+    tw = policy.target_waiting_per_replica
+    if tw > 0:
+        wait = f"{load.waiting_per_engine:.1f} waiting per engine {_cmp(load.waiting_per_engine, tw)} target {tw:g}"
+        kv_leads = load.kv / policy.target_kv_cache_usage >= load.waiting_per_engine / tw
+        signals = f"{kv}, {wait}" if kv_leads else f"{wait}, {kv}"
+    else:
+        signals = f"{kv} (queue signal off: targetWaitingPerReplica 0)"
+    return (f"{signals} (mean of {load.scrapes} scrape{'s' if load.scrapes != 1 else ''} over "
+            f"{policy.stable_window:g} s): load ratio {load.ratio:.2f} on {load.engines} "
+            f"engine{'s' if load.engines != 1 else ''}")
+
+
+def _compact(recs: list[tuple[float, int]], now: float, policy: AutoscalingPolicy) -> tuple[tuple[float, int], ...]:
+    """Drop recommendations no future stabilization window can need (see AutoscalerState)."""
+    up_from = now - policy.scale_up_stabilization_s - policy.interval_s
+    kept: list[tuple[float, int]] = []
+    later_max, later_min = -1, math.inf
+    for t, r in sorted(recs, reverse=True):
+        if r > later_max or (t >= up_from and r < later_min):
+            kept.append((t, r))
+        later_max, later_min = max(later_max, r), min(later_min, r)
+    return tuple(reversed(kept))
+
+
+def _ceil(x: float) -> int:
+    # 3.0000000001 from float sums is 3 engines, not 4.
+    return math.ceil(x - 1e-9)
+
+
 def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: int, state: AutoscalerState,
            now: float, *, stale: bool = False) -> ScaleDecision:
-    """Desired replicas from the window; see docs/autoscaling.md for the rule."""
-    raise NotImplementedError
+    """Desired replicas from the window; the rule and its reasons are in docs/autoscaling.md.
+
+    `current` is the replica count the operator asks for now; `window` the recent observations
+    (any order; ones outside the stable window are ignored); `state` what the previous pass returned.
+    Deterministic: the same inputs give the same decision, so a restarted operator that re-runs a pass
+    with the persisted state does not scale twice.
+    """
+    if isinstance(current, bool) or not isinstance(current, int) or current < 0:
+        raise ValueError(f"current replicas must be an integer >= 0, not {current!r}")
+    if not _finite(now):
+        raise ValueError(f"now must be a finite number, not {now!r}")
+
+    # State from the future (a clock stepped back, a restore) cannot be trusted to be in any window.
+    horizon = now - policy.state_horizon_s()
+    recs = [(t, r) for t, r in state.recommendations if horizon <= t <= now]
+    panic_until = state.panic_until if state.panic_until is not None and state.panic_until > now else None
+    if panic_until is not None:
+        panic_until = min(panic_until, now + policy.panic_hold)
+    last_scale = state.last_scale_time
+
+    def no_decision(why: str) -> ScaleDecision:
+        kept = AutoscalerState(tuple(sorted(recs)), panic_until, last_scale, state.history_since)
+        bounded = _clamp(current, policy)
+        if bounded != current:
+            # The spec's bounds need no metrics: a raised minReplicas must bring the model up.
+            bound = "minReplicas" if bounded > current else "maxReplicas"
+            return ScaleDecision(bounded, f"{bound} {bounded} ({why}): {current} -> {bounded}", None,
+                                 panic=False, frozen=False, state=replace(kept, last_scale_time=now))
+        return ScaleDecision(current, f"{why}; keeping {current} replica{'s' if current != 1 else ''}", None,
+                             panic=panic_until is not None, frozen=True, state=kept)
+
+    if stale:
+        return no_decision("metrics stale: no scaling on stale data")
+    if current == 0:
+        return no_decision("scaled to zero: no engine reports metrics, and scaling up from zero needs "
+                           "the router's queue signal, which the autoscaler does not read yet")
+    in_window = sorted((o for o in window if now - policy.stable_window < o.time <= now), key=lambda o: o.time)
+    usable = [o for o in in_window if o.engines > 0]
+    if not usable:
+        if in_window:
+            return no_decision(f"no engine answered in the last {policy.stable_window:g} s")
+        return no_decision(f"no metrics in the last {policy.stable_window:g} s")
+    age = now - usable[-1].time
+    if age > 2 * policy.interval_s:
+        return no_decision(f"newest metrics are {age:.0f} s old (interval {policy.interval_s:g} s)")
+
+    load = _load(usable, policy)
+    newest = _load(usable[-1:], policy)   # the panic window: the newest scrape alone
+    notes: list[str] = []
+    if newest.ratio >= policy.panic_threshold:
+        panic_until = now + policy.panic_hold
+        notes.append(f"panic: newest scrape at {newest.ratio:.2f}x target "
+                     f"(>= {policy.panic_threshold:g}x) on {newest.engines} engines")
+    panicking = panic_until is not None
+
+    # This pass's recommendation, in replicas, before stabilization and bounds.
+    if load.idle:
+        rec = 0
+    elif abs(load.ratio - 1) <= policy.tolerance:
+        rec = current
+    else:
+        rec = max(1, _ceil(load.demand))
+    if panicking:
+        rec = max(rec, _ceil(newest.demand), current)
+    previous = [t for t, _ in recs if t < now]
+    since = state.history_since
+    if since is None or not previous or now - max(previous) > 3 * policy.interval_s or since > now:
+        since = now
+    recs = [(t, r) for t, r in recs if t != now] + [(now, rec)]
+
+    up_limit = rec if panicking else min(r for t, r in recs if t >= now - policy.scale_up_stabilization_s)
+    slack = policy.interval_s / 2   # scrapes jitter around the interval
+    down_limit = max(r for t, r in recs if t >= now - policy.scale_down_stabilization_s - slack)
+    covered_s = now - since
+
+    desired = current
+    if up_limit > current:
+        desired = up_limit
+    elif rec > current:
+        notes.append(f"scale-up to {rec} waits for scaleUpStabilizationSeconds "
+                     f"{policy.scale_up_stabilization_s:g} (lowest recommendation in it: {up_limit})")
+    elif down_limit < current:
+        if panicking:
+            notes.append(f"no scale-down while panicking (until {panic_until - now:.0f} s from now)")
+        elif load.engines < current:
+            notes.append(f"{load.engines} of {current} engines answering: "
+                         "no scale-down while a scale-up is still starting")
+        elif covered_s + slack < policy.scale_down_stabilization_s:
+            notes.append(f"recommendations below {current} for {covered_s:.0f} s of the "
+                         f"{policy.scale_down_stabilization_s:g} s scale-down window")
+        else:
+            floor = current // 2 if down_limit == 0 else _ceil(current / 2)
+            desired = max(down_limit, floor)
+            if desired > down_limit:
+                notes.append(f"at most halving per step (load asks for {down_limit})")
+    elif rec < current:
+        notes.append(f"a recommendation of {down_limit} within the last "
+                     f"{policy.scale_down_stabilization_s:g} s holds the scale-down")
+
+    bounded = _clamp(desired, policy)
+    limited = _limited(rec, policy) or _limited(desired, policy)
+    if load.idle:
+        verdict = "idle (nothing ran, waited or finished)"
+    elif abs(load.ratio - 1) <= policy.tolerance and not panicking:
+        verdict = f"within tolerance {policy.tolerance:g}"
+    else:
+        verdict = f"asks for {rec}"
+    move = f"{current} -> {bounded}" if bounded != current else f"keeping {current}"
+    reason = "; ".join([f"{_describe(load, policy)}, {verdict}", *notes, move])
+    if limited and bounded != desired:
+        reason += f" ({limited})"
+    new_state = AutoscalerState(_compact(recs, now, policy), panic_until,
+                                now if bounded != current else last_scale, since)
+    return ScaleDecision(bounded, reason, limited, panic=panicking, frozen=False, state=new_state,
+                         load_ratio=round(load.ratio, 4))
