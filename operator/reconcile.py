@@ -243,6 +243,13 @@ def router_args(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) ->
         args += ["--rate-limit", _num(router["rateLimit"]["requestsPerSecond"])]
         if router["rateLimit"].get("burst") is not None:
             args += ["--burst", str(router["rateLimit"]["burst"])]
+    per_client = router.get("perClientRateLimit")
+    if per_client:
+        args += ["--client-rate-limit", _num(per_client["requestsPerSecond"])]
+        if per_client.get("burst") is not None:
+            args += ["--client-burst", str(per_client["burst"])]
+        if per_client.get("header"):
+            args += ["--client-header", per_client["header"]]
     return args
 
 

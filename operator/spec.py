@@ -130,6 +130,7 @@ _STR_MAP = ((lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v
 _OBJ_LIST = ((lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v)), "must be a list of objects")
 _QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 _RESOURCE_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_HEADER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
 _SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 
 # (section, field) -> (check, message); section "" is spec itself. Checked when the field is present
@@ -166,6 +167,7 @@ FIELD_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("autoscaling", "targetKVCacheUsage"): _FRACTION,
     ("autoscaling", "targetWaitingPerReplica"): _NON_NEGATIVE,
     ("autoscaling", "intervalSeconds"): _int_in(1, 3600),
+    ("autoscaling", "stableWindowSeconds"): _int_in(1, 3600),
     ("autoscaling", "scaleUpStabilizationSeconds"): _int_in(0, 86400),
     ("autoscaling", "scaleDownStabilizationSeconds"): _int_in(0, 86400),
     ("tuning", "mode"): (_one_of(*TUNING_MODES)[0],
@@ -243,4 +245,14 @@ def validate(spec: dict[str, Any]) -> list[SpecError]:
             errors.append(SpecError("spec.router.rateLimit.requestsPerSecond", "must be a number > 0"))
         elif "burst" in rate and not _int_in(1)[0](rate["burst"]):
             errors.append(SpecError("spec.router.rateLimit.burst", "must be an integer >= 1"))
+    per_client = router.get("perClientRateLimit")
+    if per_client is not None:
+        where = "spec.router.perClientRateLimit"
+        if not isinstance(per_client, dict) or not _POSITIVE[0](per_client.get("requestsPerSecond")):
+            errors.append(SpecError(f"{where}.requestsPerSecond", "must be a number > 0"))
+        elif "burst" in per_client and not _int_in(1)[0](per_client["burst"]):
+            errors.append(SpecError(f"{where}.burst", "must be an integer >= 1"))
+        elif "header" in per_client and not (isinstance(per_client["header"], str)
+                                             and _HEADER.match(per_client["header"])):
+            errors.append(SpecError(f"{where}.header", "must be an HTTP header name such as X-Tenant"))
     return errors

@@ -22,12 +22,11 @@ def release(cluster, namespace):
 
 
 def test_helm_install_runs_a_working_operator(cluster, namespace, release, local_only):
-    # Locally the operator pod is a process on this machine: it reaches the emulator through the test's
-    # kubeconfig (no service-account token is mounted) and runs this interpreter's `pagedmodel`.
+    # Locally the operator pod is a process on this machine: it reaches the emulator with the credentials the
+    # kubelet gives every pod (its service account's, as $KUBECONFIG) and runs this interpreter's `pagedmodel`.
     values = {"watchNamespaces": [namespace], "statusInterval": 1, "router": "disabled", "logLevel": "debug",
               "podBind": "pod-ip",
-              "extraEnv": [{"name": "KUBECONFIG", "value": str(cluster.kubeconfig)},
-                           {"name": "OMP_NUM_THREADS", "value": "1"},
+              "extraEnv": [{"name": "OMP_NUM_THREADS", "value": "1"},
                            {"name": "PATH", "value": f"{Path(sys.executable).parent}:/usr/bin:/bin"}]}
     rel = release.install(str(CHART), "pm", values, namespace=namespace, timeout=120, wait="watcher")
     assert rel["status"] == "deployed"

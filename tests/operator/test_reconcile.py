@@ -169,7 +169,9 @@ def test_tuned_overrides_apply_only_to_tunable_fields():
 
 def test_router_shape_and_public_service_target():
     pm = make_pm({**CPU_SPEC, "router": {"replicas": 2, "strategy": "least-load",
-                                         "rateLimit": {"requestsPerSecond": 50, "burst": 100}}})
+                                         "rateLimit": {"requestsPerSecond": 50, "burst": 100},
+                                         "perClientRateLimit": {"requestsPerSecond": 2.5, "burst": 5,
+                                                                "header": "X-Tenant"}}})
     off = by_kind(desired_state(pm, Observed(router_enabled=False)))
     on = by_kind(desired_state(pm, Observed(router_enabled=True)))
     assert off[("Deployment", "smollm2-router")]["spec"]["replicas"] == 0
@@ -182,6 +184,7 @@ def test_router_shape_and_public_service_target():
     assert f["--discover"] == "app.kubernetes.io/component=engine,pagedmodel.io/name=smollm2"
     assert f["--strategy"] == "least-load" and f["--rate-limit"] == "50" and f["--burst"] == "100"
     assert f["--namespace"] == pm["metadata"]["namespace"]   # engines are found in the model's namespace
+    assert f["--client-rate-limit"] == "2.5" and f["--client-burst"] == "5" and f["--client-header"] == "X-Tenant"
     role = on[("Role", "smollm2-router")]
     assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in role["rules"])
     svc = on[("Service", "smollm2")]["spec"]

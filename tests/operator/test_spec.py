@@ -90,6 +90,10 @@ def test_valid_specs_have_no_errors():
     ({"tuning": {"blockSizes": [24]}}, "spec.tuning.blockSizes"),
     ({"service": {"port": 70000}}, "spec.service.port"),
     ({"router": "yes"}, "spec.router"),
+    ({"router": {"perClientRateLimit": {"requestsPerSecond": 0}}}, "spec.router.perClientRateLimit.requestsPerSecond"),
+    ({"router": {"perClientRateLimit": {"requestsPerSecond": 1, "header": "X Tenant"}}},
+     "spec.router.perClientRateLimit.header"),
+    ({"autoscaling": {"stableWindowSeconds": 0}}, "spec.autoscaling.stableWindowSeconds"),
 ])
 def test_invalid_specs_name_the_field(patch, field):
     spec: dict[str, Any] = {"model": {"source": "builtin://smollm2"}}
