@@ -11,6 +11,12 @@ prefill has ``query_len == seq_len``. One batch may mix all three, in any order.
 Context token ``p`` of sequence ``i`` lives in physical block
 ``block_tables[i, p // block_size]`` at offset ``p % block_size``; ``block_tables`` is
 padded with 0 past each sequence's last block (never read there).
+
+Device tensors are the truth; the host lists only shape launches. Under a CUDA-graph capture
+(``server/cuda_graph_runner.py``) the host lists are fixed when the graph is recorded while the
+device tensors change on every replay, so there ``seq_lens_cpu`` holds an *upper bound* (the
+max model length) and kernels must read exact lengths from ``seq_lens`` / ``query_start_loc``,
+using the host copies only for grid sizes, gather widths and tuning (e.g. the split count).
 """
 from __future__ import annotations
 

@@ -42,20 +42,22 @@ def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: 
 
 
 def _decode_batch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: list[int], scale: float) -> torch.Tensor:
-    """All one-token rows at once: pad contexts to the longest, mask the tail."""
+                  seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """All one-token rows at once: pad contexts to ``max_len``, mask each row past its own length.
+
+    The mask comes from the device tensor ``seq_lens``; the host value ``max_len`` only sizes the
+    gather and may be any upper bound (a CUDA-graph capture passes max-model-len), so a replay
+    with shorter contexts stays exact."""
     bsz, q_heads, dim = query.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     group = q_heads // kv_heads
-    max_len = max(seq_lens)
     num_blocks = (max_len + block_size - 1) // block_size
     kv = kv_cache[:, block_tables[:, :num_blocks].long()]  # [2, B, n, bs, H, D]
     kv = kv.reshape(2, bsz, num_blocks * block_size, kv_heads, dim)
     k, v = kv[0].float(), kv[1].float()
     q = query.float().view(bsz, kv_heads, group, dim)
     scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
-    lens = torch.tensor(seq_lens, device=query.device)
-    pad = torch.arange(num_blocks * block_size, device=query.device)[None, :] >= lens[:, None]
+    pad = torch.arange(num_blocks * block_size, device=query.device)[None, :] >= seq_lens[:, None]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, v)
@@ -86,7 +88,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     out = torch.empty_like(query)
     q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
     if meta.is_all_decode and q_lens:
-        return _decode_batch(query, kv_cache, meta.block_tables, s_lens, scale)
+        return _decode_batch(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
     start = 0
@@ -101,6 +103,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     if decode_rows:
         rows = torch.tensor(decode_rows, device=query.device)
         seqs = torch.tensor(decode_seqs, device=query.device)
-        out[rows] = _decode_batch(query[rows], kv_cache, meta.block_tables[seqs],
-                                  [s_lens[i] for i in decode_seqs], scale)
+        out[rows] = _decode_batch(query[rows], kv_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
+                                  max(s_lens[i] for i in decode_seqs), scale)
     return out
