@@ -80,7 +80,9 @@ class EngineArgs:
         a("--dtype", choices=DTYPES, default="auto", help="weights and activations dtype (auto: bf16 on GPU, fp32 on CPU)")
         a("--device", default="auto", help="auto, cpu or cuda[:N]")
         a("--seed", type=int, default=0, help="seed for requests without one")
-        a("--enforce-eager", action="store_true", help="disable CUDA graphs (accepted for vLLM compatibility; decode does not use CUDA graphs yet)")
+        a("--enforce-eager", action="store_true",
+          help="run every step eagerly, capturing no CUDA graphs (by default, on CUDA with the Triton backend, "
+               "decode steps of up to min(max-num-seqs, 512) sequences replay graphs captured at start-up)")
         a("--max-queue-len", type=int, default=None, help="waiting requests beyond this get HTTP 503")
         return parser
 

@@ -126,7 +126,9 @@ class LLMEngine:
                                           num_cpu_blocks=num_cpu_blocks)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.backend, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.backend, self.device,
+                                  max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
+                                  enforce_eager=args.enforce_eager)
         self.requests: dict[str, SequenceGroup] = {}
         self._generators: dict[int, torch.Generator] = {}
         self._beams: dict[str, BeamGroup] = {}

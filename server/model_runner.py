@@ -1,5 +1,11 @@
-"""Flattens a scheduled step into one unpadded batch, runs the model, and returns next-token logits."""
+"""Flattens a scheduled step into one unpadded batch, runs the model, and returns next-token logits.
+
+Pure-decode steps (one new token per row) replay a CUDA graph when one was captured (CUDA, Triton
+backend, no ``--enforce-eager``; see ``cuda_graph_runner.py``); every other step runs eagerly.
+"""
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -7,18 +13,37 @@ from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import AttentionBackend
 
 from .block_manager import BlockManager
+from .cuda_graph_runner import CUDAGraphRunner, GraphBackend, capture_sizes, select_graph_backend
 from .kv_cache import KVCache
 from .scheduler import SchedulerOutput
+
+_AUTO = object()  # graph_backend default: chosen from device, backend, enforce_eager and the env
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_manager: BlockManager,
-                 backend: AttentionBackend, device: torch.device):
+                 backend: AttentionBackend, device: torch.device, *, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, enforce_eager: bool = False,
+                 graph_backend: GraphBackend | None | object = _AUTO,
+                 graph_sizes: Sequence[int] | None = None):
+        """``graph_backend`` (tests): force a graph backend (e.g. ``EmulatedGraphBackend()`` on CPU)
+        or ``None`` for none; by default ``select_graph_backend`` decides. ``graph_sizes`` replaces
+        the batch-size ladder. Graphs are captured here, once: the KV cache must already exist."""
         self.model = model
         self.kv_cache = kv_cache
         self.bm = block_manager
         self.backend = backend
         self.device = device
+        if graph_backend is _AUTO:
+            graph_backend = select_graph_backend(device, backend, enforce_eager)
+        self.graph_runner: CUDAGraphRunner | None = None
+        if graph_backend is not None and not enforce_eager:
+            if max_model_len is None:
+                raise ValueError("CUDA graphs need max_model_len (it sizes the static block tables)")
+            self.graph_runner = CUDAGraphRunner(
+                model, kv_cache.layers, backend, graph_backend, block_size=block_manager.block_size,
+                max_model_len=max_model_len, sizes=graph_sizes or capture_sizes(max_num_seqs), device=device)
+            self.graph_runner.capture()
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
                                                        list[tuple[int, int, int]]]:
@@ -62,7 +87,11 @@ class ModelRunner:
         self.kv_cache.swap_in(sched.blocks_to_swap_in)
         self.kv_cache.copy_blocks(sched.blocks_to_copy)
         input_ids, positions, meta, sample_rows, prompt_spans = self.prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+        hidden = None
+        if self.graph_runner is not None:
+            hidden = self.graph_runner.run(input_ids, positions, meta)  # None: not a capturable step
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
         prompt_logprobs = []
         offsets = [0]
         for s in sched.scheduled:
