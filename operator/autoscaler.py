@@ -25,9 +25,14 @@ class AutoscalingPolicy:
     scale_up_stabilization_s: float
     scale_down_stabilization_s: float
     tolerance: float = 0.1              # |load ratio - 1| <= this: hold, so noise does not scale
-    panic_threshold: float = 2.0        # load ratio of the newest scrape that starts a panic
+    panic_threshold: float = 2.0        # load ratio over the panic window that starts a panic
+    panic_scrapes: int = 2              # the panic window: this many newest scrapes
     stable_window_s: float | None = None  # averaging window; None: max(60 s, 3 intervals)
     panic_hold_s: float | None = None     # a panic lasts this long after the last trigger; None: stable window
+    pending_grace_s: float = 900.0      # new pods this recent that do not answer yet block further scale-up
+                                        # (the CRD's default startup budget, spec.probes.startupTimeoutSeconds)
+    max_scale_up_factor: float = 2.0    # one step at most doubles ...
+    max_scale_up_pods: int = 4          # ... or adds this many pods, whichever is more (HPA's default)
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> None:
@@ -43,7 +48,7 @@ class AutoscalingPolicy:
         for name, lo_open in (("target_kv_cache_usage", True), ("target_waiting_per_replica", False),
                               ("interval_s", True), ("scale_up_stabilization_s", False),
                               ("scale_down_stabilization_s", False), ("tolerance", False),
-                              ("stable_window_s", True), ("panic_hold_s", False)):
+                              ("stable_window_s", True), ("panic_hold_s", False), ("pending_grace_s", False)):
             v = getattr(self, name)
             if v is None and name in ("stable_window_s", "panic_hold_s"):
                 continue
@@ -52,6 +57,14 @@ class AutoscalingPolicy:
                 bad(f"{name} must be a number {'> 0' if lo_open else '>= 0'}, not {v!r}")
         if self.target_kv_cache_usage > 1:
             bad(f"target_kv_cache_usage must be <= 1, not {self.target_kv_cache_usage}")
+        if isinstance(self.max_scale_up_factor, bool) or not isinstance(self.max_scale_up_factor, (int, float)) \
+                or not self.max_scale_up_factor > 1:
+            bad(f"max_scale_up_factor must be > 1, not {self.max_scale_up_factor!r}")
+        if isinstance(self.panic_scrapes, bool) or not isinstance(self.panic_scrapes, int) or self.panic_scrapes < 1:
+            bad(f"panic_scrapes must be an integer >= 1, not {self.panic_scrapes!r}")
+        if isinstance(self.max_scale_up_pods, bool) or not isinstance(self.max_scale_up_pods, int) \
+                or self.max_scale_up_pods < 1:
+            bad(f"max_scale_up_pods must be an integer >= 1, not {self.max_scale_up_pods!r}")
         if self.tolerance >= 1:
             bad(f"tolerance must be < 1, not {self.tolerance}")
         if isinstance(self.panic_threshold, bool) or not isinstance(self.panic_threshold, (int, float)) \
@@ -105,11 +118,12 @@ class AutoscalerState:
     panic_until: float | None = None
     last_scale_time: float | None = None
     history_since: float | None = None
+    last_scale_up_time: float | None = None   # pods asked for then may still be starting
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"recommendations": [[round(t, 3), n] for t, n in self.recommendations]}
         for key, value in (("panicUntil", self.panic_until), ("lastScaleTime", self.last_scale_time),
-                           ("historySince", self.history_since)):
+                           ("historySince", self.history_since), ("lastScaleUpTime", self.last_scale_up_time)):
             if value is not None:
                 out[key] = round(value, 3)
         return out
@@ -129,7 +143,8 @@ class AutoscalerState:
         def num(key: str) -> float | None:
             v = raw.get(key)
             return float(v) if _finite(v) else None
-        return cls(tuple(sorted(recs.items())), num("panicUntil"), num("lastScaleTime"), num("historySince"))
+        return cls(tuple(sorted(recs.items())), num("panicUntil"), num("lastScaleTime"), num("historySince"),
+                   num("lastScaleUpTime"))
 
 
 def _finite(v: Any) -> bool:
@@ -182,13 +197,13 @@ class _Load:
     idle: bool               # no request ran, waited or finished in the whole window
 
 
-def _load(obs: Sequence[Observation], policy: AutoscalingPolicy) -> _Load:
+def _load(obs: Sequence[Observation], policy: AutoscalingPolicy, *, count_waiting: bool = True) -> _Load:
     n = len(obs)
     # Demand is summed over engines (usage x engines), so it is independent of how many engines
     # share the load: a pass that sees a new engine come up does not change it (no double scaling).
     kv_demand = sum(o.kv_cache_usage * o.engines for o in obs) / n / policy.target_kv_cache_usage
     wait_demand = (sum(o.waiting for o in obs) / n / policy.target_waiting_per_replica
-                   if policy.target_waiting_per_replica > 0 else 0.0)
+                   if policy.target_waiting_per_replica > 0 and count_waiting else 0.0)
     demand = max(kv_demand, wait_demand)
     engines = obs[-1].engines
     return _Load(demand=demand, ratio=demand / engines, engines=engines,
@@ -252,13 +267,16 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
     last_scale = state.last_scale_time
 
     def no_decision(why: str) -> ScaleDecision:
-        kept = AutoscalerState(tuple(sorted(recs)), panic_until, last_scale, state.history_since)
+        kept = AutoscalerState(tuple(sorted(recs)), panic_until, last_scale, state.history_since,
+                               state.last_scale_up_time)
         bounded = _clamp(current, policy)
         if bounded != current:
             # The spec's bounds need no metrics: a raised minReplicas must bring the model up.
             bound = "minReplicas" if bounded > current else "maxReplicas"
             return ScaleDecision(bounded, f"{bound} {bounded} ({why}): {current} -> {bounded}", None,
-                                 panic=False, frozen=False, state=replace(kept, last_scale_time=now))
+                                 panic=False, frozen=False, state=replace(
+                                     kept, last_scale_time=now,
+                                     last_scale_up_time=now if bounded > current else kept.last_scale_up_time))
         return ScaleDecision(current, f"{why}; keeping {current} replica{'s' if current != 1 else ''}", None,
                              panic=panic_until is not None, frozen=True, state=kept)
 
@@ -277,12 +295,31 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
     if age > 2 * policy.interval_s:
         return no_decision(f"newest metrics are {age:.0f} s old (interval {policy.interval_s:g} s)")
 
-    load = _load(usable, policy)
-    newest = _load(usable[-1:], policy)   # the panic window: the newest scrape alone
     notes: list[str] = []
+    # A queue is a stock, not a flow: the backlog left by pods that took minutes to start drains once
+    # they serve. A queue shrinking fast enough to be gone within the stable window asks for nothing.
+    count_waiting = True
+    if len(usable) >= 2 and policy.target_waiting_per_replica > 0:
+        a, b = usable[-2], usable[-1]
+        if b.engines > a.engines and b.waiting >= a.waiting:
+            # New engines answer for the first time: the router has barely started sending them work,
+            # so this scrape's queue does not show their capacity yet. Read it again next scrape.
+            count_waiting = False
+            notes.append(f"{b.engines - a.engines} new engine{'s' if b.engines - a.engines > 1 else ''} "
+                         f"just answered: the queue ({b.waiting} waiting) is read again next scrape")
+        elif b.waiting < a.waiting:
+            eta = b.waiting * (b.time - a.time) / (a.waiting - b.waiting)
+            if eta <= policy.stable_window:
+                count_waiting = False
+                notes.append(f"queue draining ({a.waiting} -> {b.waiting} waiting, empty in ~{eta:.0f} s): "
+                             "not counted")
+    load = _load(usable, policy, count_waiting=count_waiting)
+    # The panic window: the newest two scrapes. One would be quicker by an interval for moderate bursts,
+    # but a single scrape of a queue is noisy; a burst of 4x target or more still panics on its first.
+    newest = _load(usable[-policy.panic_scrapes:], policy, count_waiting=count_waiting)
     if newest.ratio >= policy.panic_threshold:
         panic_until = now + policy.panic_hold
-        notes.append(f"panic: newest scrape at {newest.ratio:.2f}x target "
+        notes.append(f"panic: newest {newest.scrapes} scrape{'s' if newest.scrapes > 1 else ''} at {newest.ratio:.2f}x target "
                      f"(>= {policy.panic_threshold:g}x) on {newest.engines} engines")
     panicking = panic_until is not None
 
@@ -291,10 +328,23 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
         rec = 0
     elif abs(load.ratio - 1) <= policy.tolerance:
         rec = current
+    elif load.ratio > 1:
+        rec = _ceil(load.demand)
     else:
-        rec = max(1, _ceil(load.demand))
+        # Fewer engines each run bigger batches, slower per sequence, so they hold KV longer than a
+        # linear projection says: leave them at the bottom of the band, not at the target.
+        rec = max(1, _ceil(load.demand / (1 - policy.tolerance)))
     if panicking:
         rec = max(rec, _ceil(newest.demand), current)
+    wish = rec
+    # Pods asked for recently that do not answer yet: their capacity is on its way. Waiting requests
+    # pile up meanwhile, and scaling on them again would cascade (llm-d blocks it the same way).
+    pending = (load.engines < current and state.last_scale_up_time is not None
+               and now - state.last_scale_up_time < policy.pending_grace_s)
+    if pending and rec > current:
+        notes.append(f"{load.engines} of {current} engines answering: no further scale-up (to {rec}) until the "
+                     f"pods asked for {now - state.last_scale_up_time:.0f} s ago answer")
+        rec = current
     previous = [t for t, _ in recs if t < now]
     since = state.history_since
     if since is None or not previous or now - max(previous) > 3 * policy.interval_s or since > now:
@@ -308,7 +358,11 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
 
     desired = current
     if up_limit > current:
-        desired = up_limit
+        step_max = max(_ceil(current * policy.max_scale_up_factor), current + policy.max_scale_up_pods)
+        desired = min(up_limit, step_max)
+        if desired < up_limit:
+            notes.append(f"at most x{policy.max_scale_up_factor:g} or +{policy.max_scale_up_pods} per step "
+                         f"(load asks for {up_limit})")
     elif rec > current:
         notes.append(f"scale-up to {rec} waits for scaleUpStabilizationSeconds "
                      f"{policy.scale_up_stabilization_s:g} (lowest recommendation in it: {up_limit})")
@@ -318,6 +372,11 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
         elif load.engines < current:
             notes.append(f"{load.engines} of {current} engines answering: "
                          "no scale-down while a scale-up is still starting")
+        elif last_scale is not None and now - last_scale < policy.stable_window:
+            # Each step down is measured before the next: demand read off fewer, busier engines is
+            # more accurate than an extrapolation from many idle ones.
+            notes.append(f"measuring the last scale ({now - last_scale:.0f} s ago) for a full "
+                         f"{policy.stable_window:g} s window before scaling down again")
         elif covered_s + slack < policy.scale_down_stabilization_s:
             notes.append(f"recommendations below {current} for {covered_s:.0f} s of the "
                          f"{policy.scale_down_stabilization_s:g} s scale-down window")
@@ -331,18 +390,19 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
                      f"{policy.scale_down_stabilization_s:g} s holds the scale-down")
 
     bounded = _clamp(desired, policy)
-    limited = _limited(rec, policy) or _limited(desired, policy)
+    limited = _limited(wish, policy) or _limited(desired, policy)
     if load.idle:
         verdict = "idle (nothing ran, waited or finished)"
     elif abs(load.ratio - 1) <= policy.tolerance and not panicking:
         verdict = f"within tolerance {policy.tolerance:g}"
     else:
-        verdict = f"asks for {rec}"
+        verdict = f"asks for {wish}"
     move = f"{current} -> {bounded}" if bounded != current else f"keeping {current}"
     reason = "; ".join([f"{_describe(load, policy)}, {verdict}", *notes, move])
-    if limited and bounded != desired:
+    if limited:
         reason += f" ({limited})"
     new_state = AutoscalerState(_compact(recs, now, policy), panic_until,
-                                now if bounded != current else last_scale, since)
+                                now if bounded != current else last_scale, since,
+                                now if bounded > current else state.last_scale_up_time)
     return ScaleDecision(bounded, reason, limited, panic=panicking, frozen=False, state=new_state,
                          load_ratio=round(load.ratio, 4))
