@@ -282,8 +282,9 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
                         engines.remove(e)
             if d.desired != current:
                 events.append({"t": t, "from": current, "to": d.desired, "panic": d.panic, "reason": d.reason})
-            timeline.append({"t": t, "replicas": d.desired, "ready": len(ready), "rate": cfg.rate(t),
-                             "oracle": max(policy.min_replicas, math.ceil(cfg.rate(t) / capacity)),
+            rate = cfg.rate(t - dt)     # the rate of the second just simulated
+            timeline.append({"t": t, "replicas": d.desired, "ready": len(ready), "rate": rate,
+                             "oracle": max(policy.min_replicas, math.ceil(rate / capacity)),
                              "kv": obs.kv_cache_usage, "waiting": obs.waiting, "running": obs.running,
                              "preemptions": inc.preemptions, "panic": d.panic, "frozen": d.frozen,
                              "limited": d.limited})
@@ -333,9 +334,9 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax2 = ax.twinx()
     ax2.plot(t, [r["rate"] for r in tl], color="tab:red", alpha=0.3, label="arrival rate (req/s)")
     ax2.set_ylabel("req/s")
-    for e in result["events"]:
-        if e["panic"]:
-            ax.axvline(e["t"] / 60, color="tab:red", alpha=0.2)
+    panics = [e["t"] / 60 for e in result["events"] if e["panic"]]
+    for i, x in enumerate(panics):
+        ax.axvline(x, color="tab:red", alpha=0.35, linestyle=":", label="panic scale-up" if i == 0 else None)
     ax.set_ylabel("replicas")
     ax.legend(loc="upper left", fontsize=8)
     ax2.legend(loc="upper right", fontsize=8)
@@ -347,7 +348,8 @@ def plot(result: dict[str, Any], path: str) -> None:
     axes[1].legend(loc="upper left", fontsize=8)
     axes[2].plot(t, [r["waiting"] for r in tl], label="waiting (engines + router)")
     axes[2].plot(t, [r["running"] for r in tl], label="running", alpha=0.7)
-    axes[2].set_ylabel("requests")
+    axes[2].set_yscale("symlog", linthresh=10)
+    axes[2].set_ylabel("requests (symlog)")
     axes[2].set_xlabel("minutes")
     axes[2].legend(loc="upper left", fontsize=8)
     for name, start, end in result["phases"]:
