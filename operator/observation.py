@@ -53,8 +53,9 @@ class Observation:
                 raise ValueError(f"Observation.{f.name} must be >= 0, not {value!r}")
         if not 0.0 <= self.kv_cache_usage <= 1.0:
             raise ValueError(f"Observation.kv_cache_usage must be in [0, 1], not {self.kv_cache_usage!r}")
-        if self.engines == 0 and (self.waiting or self.running):
-            raise ValueError("Observation with 0 engines cannot report waiting or running requests")
+        # With no engine answering, requests can still wait (at the router), but none can run.
+        if self.engines == 0 and self.running:
+            raise ValueError("Observation with 0 engines cannot report running requests")
         for name in _INT_FIELDS:  # 3.0 from JSON or float sums becomes 3, so equality and JSON stay exact
             object.__setattr__(self, name, int(getattr(self, name)))
 

@@ -504,11 +504,15 @@ def test_observation_json_round_trip_is_compact():
     assert Observation.from_json(json.loads(json.dumps(raw))) == o
     assert Observation.from_json({"time": 1.0, "engines": 1, "kv_cache_usage": 0.5, "waiting": 0,
                                   "running": 2}) == Observation(1.0, 1, 0.5, 0, 2)
+    # No engine answering, requests queued at the router: valid, and the autoscaler keeps the count.
+    router_only = Observation.from_json([5.0, 0, 0.0, 12, 0])
+    assert router_only.waiting == 12
+    assert decide(policy(min_replicas=0), [router_only], 0, AutoscalerState(), 5.0).desired == 0
 
 
 @pytest.mark.parametrize("raw", [
     None, "x", [], [1, 2, 3], [1.0, 1, 1.5, 0, 0], [1.0, -1, 0.5, 0, 0], [1.0, 1, 0.5, 0.5, 0],
-    [1.0, 1, float("nan"), 0, 0], [1.0, True, 0.5, 0, 0], [1.0, 0, 0.0, 3, 0], list(range(13)),
+    [1.0, 1, float("nan"), 0, 0], [1.0, True, 0.5, 0, 0], [1.0, 0, 0.0, 0, 3], list(range(13)),
     {"time": 1.0}, {"time": 1.0, "engines": 1, "kv_cache_usage": 0.5, "waiting": 0, "running": 0, "x": 1},
     [1.0, 1, 0.5, 0, 0, 0, 0, -2.0],
 ])
