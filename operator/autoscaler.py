@@ -153,11 +153,14 @@ def _finite(v: Any) -> bool:
 
 @dataclass(frozen=True)
 class ScaleDecision:
+    """One pass's answer. Persist `state` (its JSON) whatever `desired` is."""
+
     desired: int
     reason: str          # words with the numbers
-    limited: str | None  # set when the [min, max] clamp binds
+    limited: str | None  # set when the [min, max] clamp binds (or the load asks beyond it)
     panic: bool
-    frozen: bool         # True: no decision (stale or no data), desired == current
+    frozen: bool         # True: no decision (stale or no data), desired == current; False with no data
+                         # only when `current` lies outside [min, max] and is clamped
     state: AutoscalerState
     load_ratio: float | None = None  # demand / answering engines over the stable window (None when frozen)
 
