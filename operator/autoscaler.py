@@ -72,8 +72,12 @@ class AutoscalingPolicy:
             bad(f"panic_threshold must exceed 1 + tolerance, not {self.panic_threshold!r}")
 
     @classmethod
-    def from_spec(cls, autoscaling: dict[str, Any]) -> "AutoscalingPolicy":
-        """From spec.autoscaling with the CRD defaults filled (camelCase keys); ValueError names the field."""
+    def from_spec(cls, autoscaling: dict[str, Any], *, startup_timeout_s: float | None = None) -> "AutoscalingPolicy":
+        """From spec.autoscaling with the CRD defaults filled (camelCase keys); ValueError names the field.
+
+        `startup_timeout_s` (spec.probes.startupTimeoutSeconds) bounds how long missing new pods count as
+        starting rather than failed (`pending_grace_s`).
+        """
         if not isinstance(autoscaling, dict):
             raise ValueError(f"spec.autoscaling must be an object, not {type(autoscaling).__name__}")
         keys = {"minReplicas": "min_replicas", "maxReplicas": "max_replicas",
@@ -84,7 +88,8 @@ class AutoscalingPolicy:
         missing = [k for k in keys if k not in autoscaling]
         if missing:
             raise ValueError(f"spec.autoscaling lacks {', '.join(missing)} (fill the CRD defaults first)")
-        return cls(**{attr: autoscaling[k] for k, attr in keys.items()})
+        extra = {} if startup_timeout_s is None else {"pending_grace_s": startup_timeout_s}
+        return cls(**{attr: autoscaling[k] for k, attr in keys.items()}, **extra)
 
     @property
     def stable_window(self) -> float:
@@ -121,11 +126,12 @@ class AutoscalerState:
     last_scale_up_time: float | None = None   # pods asked for then may still be starting
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"recommendations": [[round(t, 3), n] for t, n in self.recommendations]}
+        # Times unrounded: the state must round-trip exactly, or a restart could shift a window edge.
+        out: dict[str, Any] = {"recommendations": [[t, n] for t, n in self.recommendations]}
         for key, value in (("panicUntil", self.panic_until), ("lastScaleTime", self.last_scale_time),
                            ("historySince", self.history_since), ("lastScaleUpTime", self.last_scale_up_time)):
             if value is not None:
-                out[key] = round(value, 3)
+                out[key] = value
         return out
 
     @classmethod

@@ -151,11 +151,11 @@ class TunerState:
         for key, value in (("lastChangeTime", self.last_change_time), ("settledTime", self.settled_time),
                            ("rejectedUntil", self.rejected_until)):
             if value is not None:
-                out[key] = round(value, 3)
+                out[key] = value      # unrounded: the state round-trips exactly
         if self.last_change is not None:
             out["lastChange"] = {k: list(v) for k, v in self.last_change.items()}
         if self.baseline is not None:
-            out["baseline"] = {k: round(v, 6) for k, v in self.baseline.items()}
+            out["baseline"] = dict(self.baseline)
         if self.change_kind is not None:
             out["changeKind"] = self.change_kind
         if self.rejected is not None:
@@ -235,7 +235,7 @@ def _summarize(obs: Sequence[Observation]) -> _Summary:
     span = obs[-1].time - obs[0].time
     engines = sum(o.engines for o in obs) / len(obs)
     rest = obs[1:]
-    per = span * engines
+    per = span * engines if span > 0 else math.inf   # scrapes all at one instant: no rate to read
     return _Summary(load=sum(o.prompt_tokens + o.generation_tokens for o in rest) / per,
                     thrash=sum(o.thrash_events for o in rest) / per,
                     waiting=sum(o.waiting_per_engine for o in obs) / len(obs),

@@ -519,3 +519,46 @@ def test_observation_json_round_trip_is_compact():
 def test_garbage_observations_raise_value_error(raw):
     with pytest.raises(ValueError):
         Observation.from_json(raw)
+
+
+# ---------------------------------------------------------------- invariants on arbitrary inputs
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+observations = st.builds(
+    lambda t, engines, kv, waiting, running, finished: Observation(
+        t, engines, kv if engines else 0.0, waiting, running if engines else 0, finished=finished),
+    st.floats(0, 600), st.integers(0, 12), st.floats(0, 1), st.integers(0, 400), st.integers(0, 400),
+    st.sampled_from([0.0, 1.0, 10.0]))
+states = st.builds(
+    AutoscalerState,
+    st.lists(st.tuples(st.floats(0, 600), st.integers(0, 30)), max_size=8).map(lambda l: tuple(sorted(set(l)))),
+    st.one_of(st.none(), st.floats(0, 900)), st.one_of(st.none(), st.floats(0, 600)),
+    st.one_of(st.none(), st.floats(0, 600)), st.one_of(st.none(), st.floats(0, 600)))
+policies = st.builds(
+    lambda lo, span, up, down, tw: policy(min_replicas=lo, max_replicas=max(1, lo + span), scale_up_stabilization_s=up,
+                                          scale_down_stabilization_s=down, target_waiting_per_replica=tw),
+    st.integers(0, 3), st.integers(0, 12), st.sampled_from([0, 30, 120]), st.sampled_from([0, 60, 300]),
+    st.sampled_from([0, 5]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(policies, st.lists(observations, max_size=10), st.integers(0, 20), states, st.floats(0, 600),
+       st.booleans())
+def test_decision_invariants(p, window, current, state, now, stale):
+    d = decide(p, window, current, state, now, stale=stale)
+    assert p.min_replicas <= d.desired <= p.max_replicas                 # the bounds always hold
+    assert d == decide(p, window, current, state, now, stale=stale)      # deterministic
+    assert AutoscalerState.from_json(json.loads(json.dumps(d.state.to_json()))) == d.state
+    clamped = min(max(current, p.min_replicas), p.max_replicas)
+    if stale or d.frozen:
+        assert d.desired == clamped
+    if current <= p.max_replicas and d.desired < current:
+        assert not d.panic and d.desired >= current // 2                 # never below half, never in panic
+    if p.min_replicas <= current and d.desired > current:
+        assert d.desired <= max(2 * current, current + p.max_scale_up_pods)
+    if d.desired != clamped:
+        assert d.state.last_scale_time == now
+    assert all(t <= now for t, _ in d.state.recommendations)
+    assert len(d.state.recommendations) <= 2 * (max(r for _, r in d.state.recommendations or [(0, 0)]) + 2)

@@ -332,3 +332,48 @@ def test_bad_specs_are_rejected(tuning, engine, message):
 def test_bad_engine_config_is_rejected():
     with pytest.raises(ValueError, match="engine.blockSize"):
         tune(policy(), [], {"maxNumSeqs": 256}, TunerState(), 0.0)
+
+
+# ---------------------------------------------------------------- invariants on arbitrary inputs
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+observations = st.builds(
+    lambda t, engines, kv, waiting, fill, msn, pre, fin, length: Observation(
+        t, engines, kv, waiting, min(int(fill * engines * msn), engines * msn), msn, 16, pre, 0.0, fin,
+        fin * length / 3, fin * length * 2 / 3),
+    st.floats(0, 300), st.integers(1, 4), st.floats(0, 1), st.integers(0, 60), st.floats(0, 1),
+    st.sampled_from([0, 256]), st.sampled_from([0.0, 1.0, 5.0]), st.sampled_from([0.0, 2.0, 10.0]),
+    st.sampled_from([50.0, 300.0, 900.0]))
+tuner_states = st.one_of(
+    st.just(TunerState()),
+    st.builds(lambda t, new, kind: TunerState(last_change_time=t, last_change={"maxNumSeqs": [128, new]},
+                                              baseline={"load": 40.0, "thrash": 0.0, "waiting": 2.0,
+                                                        "kvCacheUsage": 0.5, "engines": 2.0},
+                                              change_kind=kind),
+              st.floats(0, 300), st.sampled_from([256, 512]), st.sampled_from(["slots", "thrash"])))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["Off", "Recommend", "Auto"]), st.lists(observations, max_size=24), tuner_states,
+       st.floats(0, 4000), st.booleans(), st.booleans())
+def test_tuning_invariants(mode, window, state, now, rolling_out, panicking):
+    p = policy(mode, min_max_num_seqs=32, max_max_num_seqs=1024)
+    d = tune(p, window, ENGINE, state, now, rolling_out=rolling_out, panicking=panicking)
+    assert d == tune(p, window, ENGINE, state, now, rolling_out=rolling_out, panicking=panicking)
+    assert TunerState.from_json(json.loads(json.dumps(d.state.to_json()))) == d.state
+    if mode == "Off":
+        assert d.recommendation == {} and not d.apply and d.state is state
+    if d.apply:
+        assert mode == "Auto" and not rolling_out and not panicking and d.recommendation and d.held is None
+        assert d.state.last_change_time == now
+        assert {k: v[1] for k, v in d.state.last_change.items()} == d.recommendation
+    if d.recommendation and not d.apply:
+        assert d.held
+    if not d.revert:
+        msn = d.recommendation.get("maxNumSeqs")
+        assert msn is None or 32 <= msn <= 1024
+        assert d.recommendation.get("blockSize", 16) in p.block_sizes
+    if mode == "Recommend":
+        assert d.state == state or d.state.judged     # a proposal never changes the state
