@@ -269,7 +269,8 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
 
     # State from the future (a clock stepped back, a restore) cannot be trusted to be in any window.
     horizon = now - policy.state_horizon_s()
-    recs = [(t, r) for t, r in state.recommendations if horizon <= t <= now]
+    # One recommendation per time (the last wins), as from_json would read it back.
+    recs = sorted({t: r for t, r in state.recommendations if horizon <= t <= now}.items())
     panic_until = state.panic_until if state.panic_until is not None and state.panic_until > now else None
     if panic_until is not None:
         panic_until = min(panic_until, now + policy.panic_hold)
