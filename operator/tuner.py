@@ -313,9 +313,14 @@ def _judge(policy: TuningPolicy, obs: list[Observation], current: dict[str, int]
     desc = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in change.items())
     if any(current[k] == old != new for k, (old, new) in change.items()) and \
             all(current[k] in (old, new) for k, (old, new) in change.items()):
+        # Applied but not in the config yet (the override not written, a failed patch): wait, but not
+        # forever, or one lost write would stop the tuner for good.
+        if state.last_change_time is not None and now - state.last_change_time > max(policy.cooldown_s,
+                                                                                      policy.window):
+            return f"the change {desc} never took effect; not judging it; "
         return _hold(state, f"the change {desc} is not in effect yet")
     if any(current[k] != new for k, (_, new) in change.items()):
-        return _done(state, f"the engine config moved on from {desc}; not judging it")
+        return f"the engine config moved on from {desc}; not judging it; "
     if state.reverted or state.baseline is None:
         return ""   # a revert restores a known state; a lost baseline cannot be judged
     if rolling_out:
@@ -356,10 +361,6 @@ def _judge(policy: TuningPolicy, obs: list[Observation], current: dict[str, int]
 
 def _hold(state: TunerState, why: str) -> TuningDecision:
     return TuningDecision({}, why, False, False, None, state)
-
-
-def _done(state: TunerState, why: str) -> TuningDecision:
-    return TuningDecision({}, why, False, False, None, replace(state, judged=True))
 
 
 def _held_reason(policy: TuningPolicy, now: float, state: TunerState, *, rolling_out: bool, panicking: bool,

@@ -271,6 +271,16 @@ def test_judging_waits_until_the_change_is_in_effect_and_for_enough_scrapes():
     assert "0 of 4 scrapes" in d2.reason
 
 
+def test_a_change_that_never_takes_effect_stops_blocking_the_tuner():
+    p = policy(cooldown_s=600)
+    state = applied(p)                                   # applied at 300, but the config stays at 256
+    d = tune(p, slot_bound(600, 900), ENGINE, state, 900.0)
+    assert "not in effect yet" in d.reason and not d.state.judged
+    d = tune(p, slot_bound(700, 1000), ENGINE, state, 1000.0)
+    assert d.reason.startswith("the change maxNumSeqs 256 -> 512 never took effect")
+    assert d.apply and d.recommendation == {"maxNumSeqs": 512}      # proposes (and applies) afresh
+
+
 def test_a_config_changed_by_someone_else_ends_the_judgement():
     p = policy()
     d = tune(p, [], {**ENGINE, "maxNumSeqs": 300}, applied(p), 400.0)
