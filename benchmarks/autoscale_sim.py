@@ -261,7 +261,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             last = _Counters(**asdict(counters))
             if ready:
                 # The router queues in front of the engines: its queue counts as waiting (docs/autoscaling.md).
-                obs = Observation(t, len(ready), min(1.0, sum(e.used_blocks for e in ready) / len(ready) / cfg.kv_blocks),
+                kv = min(1.0, sum(e.used_blocks for e in ready) / len(ready) / cfg.kv_blocks)
+                obs = Observation(t, len(ready), kv,
                                   sum(len(e.waiting) for e in ready) + len(router),
                                   sum(len(e.running) for e in ready), cfg.max_num_seqs, cfg.block_size,
                                   float(inc.preemptions), 0.0, float(inc.finished), float(inc.prompt_tokens),

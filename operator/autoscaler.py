@@ -7,7 +7,7 @@ The rule and why it looks like this are in docs/autoscaling.md.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from .observation import Observation
@@ -329,7 +329,8 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
     newest = _load(usable[-policy.panic_scrapes:], policy, count_waiting=count_waiting)
     if newest.ratio >= policy.panic_threshold:
         panic_until = now + policy.panic_hold
-        notes.append(f"panic: newest {newest.scrapes} scrape{'s' if newest.scrapes > 1 else ''} at {newest.ratio:.2f}x target "
+        scrapes = f"{newest.scrapes} scrape{'s' if newest.scrapes > 1 else ''}"
+        notes.append(f"panic: newest {scrapes} at {newest.ratio:.2f}x target "
                      f"(>= {policy.panic_threshold:g}x) on {newest.engines} engines")
     panicking = panic_until is not None
 

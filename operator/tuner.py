@@ -17,6 +17,22 @@ MODES = ("Off", "Recommend", "Auto")
 DEFAULT_BLOCK_SIZES = (8, 16, 32)
 TUNED_FIELDS = ("maxNumSeqs", "blockSize")
 
+# Rule constants (docs/autoscaling.md explains each).
+SLOTS_FULL = 0.95          # running / (engines x maxNumSeqs) at or above this: slots are the cap
+KV_HEADROOM = 0.6          # ... while mean KV usage stays at or below this: memory is not the cap
+KV_AIM = 0.8               # a raise aims the KV usage here (the seeds' 80 %)
+MAX_RAISE = 2.0            # at most double per change
+MIN_RAISE = 1.25           # smaller raises are not worth a rolling restart (hysteresis)
+THRASH_MIN_EVENTS = 3      # preemptions + swap-outs in the window before it counts as thrash...
+THRASH_SHARE = 0.05        # ... and at least this share of the finished requests
+LOWER_TO = 0.75            # a thrash fix caps concurrency at this share of the peak running per engine
+TOKENS_PER_BLOCK_WASTE = 16  # block b fits when the mean sequence is >= 16 b tokens (waste b/2 <= 1/32)
+BLOCK_HYSTERESIS = 1.25    # the length must clear the boundary by 25 % to change the block size
+WORSE_FACTOR = 1.5         # after / before above this (and above the absolute margins) is "worse"
+WORSE_THRASH_PER_S = 1 / 60  # absolute margin: one more preemption per engine per minute
+WORSE_WAITING = 1.0        # absolute margin: one more waiting request per engine
+SAME_LOAD = 1.1            # after-load up to 10 % above the baseline still counts as equal load
+
 
 @dataclass(frozen=True)
 class TuningPolicy:
@@ -89,29 +105,6 @@ class TuningPolicy:
     @property
     def rejection(self) -> float:
         return self.rejection_s if self.rejection_s is not None else max(4 * self.cooldown_s, 3600.0)
-
-
-def _raiser(what: str):
-    def raise_(msg: str) -> None:
-        raise ValueError(f"{what}: {msg}")
-    return raise_
-
-
-# Rule constants (docs/autoscaling.md explains each).
-SLOTS_FULL = 0.95          # running / (engines x maxNumSeqs) at or above this: slots are the cap
-KV_HEADROOM = 0.6          # ... while mean KV usage stays at or below this: memory is not the cap
-KV_AIM = 0.8               # a raise aims the KV usage here (the seeds' 80 %)
-MAX_RAISE = 2.0            # at most double per change
-MIN_RAISE = 1.25           # smaller raises are not worth a rolling restart (hysteresis)
-THRASH_MIN_EVENTS = 3      # preemptions + swap-outs in the window before it counts as thrash...
-THRASH_SHARE = 0.05        # ... and at least this share of the finished requests
-LOWER_TO = 0.75            # a thrash fix caps concurrency at this share of the peak running per engine
-TOKENS_PER_BLOCK_WASTE = 16  # block b fits when the mean sequence is >= 16 b tokens (waste b/2 <= 1/32)
-BLOCK_HYSTERESIS = 1.25    # the length must clear the boundary by 25 % to change the block size
-WORSE_FACTOR = 1.5         # after / before above this (and above the absolute margins) is "worse"
-WORSE_THRASH_PER_S = 1 / 60  # absolute margin: one more preemption per engine per minute
-WORSE_WAITING = 1.0        # absolute margin: one more waiting request per engine
-SAME_LOAD = 1.1            # after-load up to 10 % above the baseline still counts as equal load
 
 
 def _raiser(what: str):
