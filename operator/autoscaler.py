@@ -88,7 +88,9 @@ class AutoscalingPolicy:
         missing = [k for k in keys if k not in autoscaling]
         if missing:
             raise ValueError(f"spec.autoscaling lacks {', '.join(missing)} (fill the CRD defaults first)")
-        extra = {} if startup_timeout_s is None else {"pending_grace_s": startup_timeout_s}
+        extra: dict[str, Any] = {} if startup_timeout_s is None else {"pending_grace_s": startup_timeout_s}
+        if autoscaling.get("stableWindowSeconds") is not None:     # optional; default max(60 s, 3 intervals)
+            extra["stable_window_s"] = autoscaling["stableWindowSeconds"]
         return cls(**{attr: autoscaling[k] for k, attr in keys.items()}, **extra)
 
     @property

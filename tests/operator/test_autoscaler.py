@@ -458,6 +458,9 @@ def test_policy_from_the_defaulted_spec():
     assert (p.interval_s, p.scale_up_stabilization_s, p.scale_down_stabilization_s) == (15, 0, 300)
     assert p.stable_window == 60 and p.panic_hold == 60 and p.window_s() == 75
     assert AutoscalingPolicy.from_spec({**DEFAULTS["autoscaling"], "intervalSeconds": 30}).stable_window == 90
+    short = AutoscalingPolicy.from_spec({**DEFAULTS["autoscaling"], "stableWindowSeconds": 20, "intervalSeconds": 5})
+    assert short.stable_window == 20 and short.panic_hold == 20 and short.window_s() == 25
+    assert AutoscalingPolicy.from_spec(DEFAULTS["autoscaling"], startup_timeout_s=120).pending_grace_s == 120
 
 
 @pytest.mark.parametrize("change, message", [
@@ -469,6 +472,7 @@ def test_policy_from_the_defaulted_spec():
     ({"maxReplicas": 0}, "max_replicas"),
     ({"minReplicas": True}, "min_replicas"),
     ({"scaleDownStabilizationSeconds": float("inf")}, "scale_down_stabilization_s"),
+    ({"stableWindowSeconds": 0}, "stable_window_s"),
 ])
 def test_bad_specs_are_rejected_with_the_field(change, message):
     with pytest.raises(ValueError, match=message):
