@@ -101,6 +101,12 @@ class AutoscalingPolicy:
     def panic_hold(self) -> float:
         return self.panic_hold_s if self.panic_hold_s is not None else self.stable_window
 
+    @property
+    def history_gap_s(self) -> float:
+        """A pause between passes longer than this breaks the history a scale-down needs. Not shorter than
+        the stable window, so a busy operator that runs a few passes late does not stall scale-downs."""
+        return max(3 * self.interval_s, self.stable_window)
+
     def window_s(self) -> float:
         """How far back observations are needed; older ones can be dropped from the persisted window."""
         return self.stable_window + self.interval_s
@@ -117,7 +123,7 @@ class AutoscalerState:
     `recommendations` is compacted: a recommendation that a later one dominates for every future
     window (a later one at least as high for the scale-down max, at most as low for the scale-up min)
     is dropped, so the list stays a few entries long even with a 1 s interval and a 24 h window.
-    `history_since` is when the unbroken run of passes began (a gap of more than 3 intervals, such
+    `history_since` is when the unbroken run of passes began (a gap longer than `history_gap_s`, such
     as an operator outage or stale metrics, restarts it): scale-down needs the whole window covered.
     """
 
@@ -360,7 +366,7 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
         rec = current
     previous = [t for t, _ in recs if t < now]
     since = state.history_since
-    if since is None or not previous or now - max(previous) > 3 * policy.interval_s or since > now:
+    if since is None or not previous or now - max(previous) > policy.history_gap_s or since > now:
         since = now
     recs = [(t, r) for t, r in recs if t != now] + [(now, rec)]
 

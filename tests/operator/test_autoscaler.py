@@ -409,6 +409,14 @@ def test_a_gap_in_passes_restarts_the_down_window():
     assert tr.events and tr.events[0][0] >= 1000 + 300 - INTERVAL
 
 
+def test_a_few_late_passes_do_not_restart_the_down_window():
+    p = policy(scale_down_stabilization_s=300)
+    tr = Trace(p, lambda t: (4.0, 0) if t < 300 else (1.6, 0), current=5)
+    tr.run(0, 450)
+    tr.run(500, 900)                                 # one pass 50 s late: within the stable window
+    assert tr.events and tr.events[0][0] < 300 + 300 + 4 * INTERVAL
+
+
 def test_panic_survives_a_restart():
     p = policy(max_replicas=20, scale_down_stabilization_s=0)
     tr = Trace(p, lambda t: (0.8, 60) if t == 300 else (0.4, 0), current=1)
