@@ -412,8 +412,8 @@ def test_a_gap_in_passes_restarts_the_down_window():
 def test_a_few_late_passes_do_not_restart_the_down_window():
     p = policy(scale_down_stabilization_s=300)
     tr = Trace(p, lambda t: (4.0, 0) if t < 300 else (1.6, 0), current=5)
-    tr.run(0, 450)
-    tr.run(500, 900)                                 # one pass 50 s late: within the stable window
+    tr.run(0, 450)                                   # last pass at 435
+    tr.run(485, 900)                                 # the next 50 s later: within the stable window
     assert tr.events and tr.events[0][0] < 300 + 300 + 4 * INTERVAL
 
 
