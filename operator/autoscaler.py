@@ -301,8 +301,17 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
     if stale:
         return no_decision("metrics stale: no scaling on stale data")
     if current == 0:
-        return no_decision("scaled to zero: no engine reports metrics, and scaling up from zero needs "
-                           "the router's queue signal, which the autoscaler does not read yet")
+        # No engine exists to report load; the router holds requests in its queue meanwhile (it waits for
+        # an upstream instead of failing), and that queue is the one signal there is.
+        newest = max(window, key=lambda o: o.time, default=None)
+        if newest is not None and newest.engines == 0 and newest.waiting > 0 and now - newest.time <= 2 * policy.interval_s:
+            want = max(1, policy.min_replicas)
+            target = _clamp(want, policy)
+            reason = (f"{newest.waiting} request{'s' if newest.waiting != 1 else ''} queued at the router with no "
+                      f"engine: 0 -> {target}")
+            return ScaleDecision(target, reason, None, panic=False, frozen=False, state=AutoscalerState(
+                tuple(sorted(recs)), panic_until, now, state.history_since, now))
+        return no_decision("scaled to zero: no engine and no request queued at the router")
     in_window = sorted((o for o in window if now - policy.stable_window < o.time <= now), key=lambda o: o.time)
     usable = [o for o in in_window if o.engines > 0]
     if not usable:

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import names
 from .children import Kube
-from .metrics import EngineSample, Fetch, aggregate, observe, ready_pods, scrape
+from .metrics import EngineSample, Fetch, aggregate, observe, parse_router_queue, ready_pods, scrape
 from .reconcile import Observed, desired_state, effective_engine, engine_replicas, service_url
 from .scaling import ScrapeResult, epoch, plan, scrape_due
 from .spec import parse_source, validate, with_defaults
@@ -122,8 +122,14 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
     if fetch is not None and scrape_due(spec, old_status, clock):
         ready = ready_pods(pods)
         scrapes = scrape(ready, names.ENGINE_PORT, fetch)
+        queue = None
+        if observed.router_enabled:
+            routers = ready_pods(kube.pods(namespace, names.selector_string(model, names.ROUTER)))
+            answers = [r.sample for r in scrape(routers, names.ENGINE_PORT, fetch, parse=parse_router_queue)
+                       if r.sample is not None]
+            queue = sum(answers) if answers else None
         observation, memory.baselines[meta.get("uid", model)] = observe(
-            scrapes, memory.baselines.get(meta.get("uid", model), {}), clock)
+            scrapes, memory.baselines.get(meta.get("uid", model), {}), clock, router_queue=queue)
         result = ScrapeResult(len(ready), scrapes, observation)
     current = engine_replicas(spec, observed)
     scaling = plan(spec, old_status, result, current=current, engine=effective_engine(spec, observed),

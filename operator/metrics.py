@@ -53,7 +53,7 @@ class PodScrape:
     """One pod's answer in a pass: a sample, or why there is none."""
 
     pod: str
-    sample: EngineSample | None
+    sample: Any            # EngineSample, or whatever `parse` returned (a router's queue length); None: failed
     error: str = ""
 
 
@@ -75,6 +75,18 @@ def parse_engine_metrics(text: str) -> EngineSample:
     return EngineSample(min(1.0, max(0.0, values[KV_USAGE])), int(values[WAITING]), int(values[RUNNING]), **extra)
 
 
+ROUTER_QUEUE = "pagedmodel_router_queue_length"
+
+
+def parse_router_queue(text: str) -> int:
+    """Requests a router holds in its queue (waiting for an engine slot or for any engine at all)."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == ROUTER_QUEUE:
+                return int(sample.value)
+    raise ValueError(f"metrics lack {ROUTER_QUEUE}")
+
+
 def aggregate(samples: list[EngineSample], previous: dict[str, Any] | None, now: str) -> dict[str, Any] | None:
     """status.metrics from this pass's samples; the previous block marked stale when none answered."""
     if not samples:
@@ -87,17 +99,22 @@ def aggregate(samples: list[EngineSample], previous: dict[str, Any] | None, now:
             "engines": len(samples), "scrapedAt": now, "stale": False}
 
 
-def observe(scrapes: list[PodScrape], baselines: dict[str, EngineSample], now: float
-            ) -> tuple[Observation | None, dict[str, EngineSample]]:
+def observe(scrapes: list[PodScrape], baselines: dict[str, EngineSample], now: float,
+            router_queue: int | None = None) -> tuple[Observation | None, dict[str, EngineSample]]:
     """This pass as one Observation, and the counter baselines for the next pass.
 
     Counter increments are per pod against that pod's previous sample: a pod seen for the first time, or
     one whose counter went down (the engine restarted), contributes nothing this pass rather than its
-    whole history.
+    whole history. `router_queue` (requests held by the routers, None when no router answered) counts
+    as waiting: the router caps each engine at its max_num_seqs and queues the rest itself, so under
+    overload the engines' own queues stay short. With no engine answering, the router's queue alone
+    is an observation of zero engines (what scaling up from zero reads).
     """
     samples = [(s.pod, s.sample) for s in scrapes if s.sample is not None]
     if not samples:
-        return None, {}
+        if router_queue is None:
+            return None, {}
+        return Observation(time=now, engines=0, kv_cache_usage=0.0, waiting=router_queue, running=0), {}
     increments = dict.fromkeys(COUNTERS, 0.0)
     for pod, sample in samples:
         before = baselines.get(pod)
@@ -113,7 +130,7 @@ def observe(scrapes: list[PodScrape], baselines: dict[str, EngineSample], now: f
     obs = Observation(
         time=now, engines=len(engines),
         kv_cache_usage=round(sum(s.kv_cache_usage for s in engines) / len(engines), 4),
-        waiting=sum(s.waiting for s in engines), running=sum(s.running for s in engines),
+        waiting=sum(s.waiting for s in engines) + (router_queue or 0), running=sum(s.running for s in engines),
         # mid-rollout engines may differ: the smallest is what binds
         max_num_seqs=min(configured) if configured else 0, block_size=min(blocks) if blocks else 0,
         preemptions=increments["preemptions_total"], swap_outs=increments["swap_outs_total"],
@@ -141,7 +158,7 @@ Fetch = Callable[[str], str]     # URL -> response text; raises on failure
 
 
 def scrape(pods: list[tuple[str, str]], port: int, fetch: Fetch, timeout_s: float = SCRAPE_TIMEOUT_S,
-           max_workers: int = 16) -> list[PodScrape]:
+           max_workers: int = 16, parse: Callable[[str], Any] = parse_engine_metrics) -> list[PodScrape]:
     """Every (name, IP) scraped concurrently; a pod that errs or outlasts timeout_s gets an error entry.
 
     `fetch` should enforce its own timeout too (http_fetch does); the deadline here bounds the pass even
@@ -150,8 +167,8 @@ def scrape(pods: list[tuple[str, str]], port: int, fetch: Fetch, timeout_s: floa
     if not pods:
         return []
 
-    def one(ip: str) -> EngineSample:
-        return parse_engine_metrics(fetch(f"http://{ip}:{port}/metrics"))
+    def one(ip: str) -> Any:
+        return parse(fetch(f"http://{ip}:{port}/metrics"))
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(max_workers, len(pods)),
                                                  thread_name_prefix="scrape")

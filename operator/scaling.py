@@ -19,7 +19,6 @@ from .status import condition
 from .tuner import TunerState, TuningPolicy, tune
 
 HISTORY_LENGTH = 10            # status.scaleHistory entries kept
-TUNER_WINDOW_S = 900.0         # the tuner judges the request mix over up to this much history
 MAX_WINDOW_ENTRIES = 240       # bounds status size whatever the interval
 STALE_AFTER_INTERVALS = 3      # no successful scrape for this many intervals: the data is stale
 OWN_CONDITIONS = ("MetricsAvailable", "ScalingActive", "ScalingLimited")
@@ -78,7 +77,7 @@ def plan(spec: dict[str, Any], status: dict[str, Any], result: ScrapeResult | No
          external_hpa: str | None) -> ScalingOutcome:
     """Fold this pass's scrape into the window, run the autoscaler and the tuner, and say what changed."""
     auto = spec["autoscaling"]
-    policy = AutoscalingPolicy.from_spec(auto)
+    policy = AutoscalingPolicy.from_spec(auto, startup_timeout_s=spec["probes"]["startupTimeoutSeconds"])
     previous = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, dict)}
     autoscaler_status = dict(status.get("autoscaler") or {})
     state = AutoscalerState.from_json(autoscaler_status.get("state"))
@@ -100,8 +99,10 @@ def plan(spec: dict[str, Any], status: dict[str, Any], result: ScrapeResult | No
         return out
 
     # ---- metrics: fold the scrape in, decide whether the data can be trusted
-    stale_reason = _fold(result, window)
-    keep_s = max(policy.window_s(), TUNER_WINDOW_S if spec["tuning"]["mode"] != "Off" else 0.0)
+    stale_reason = _fold(result, window, current)
+    tuner_window = (TuningPolicy.from_spec(spec["tuning"], spec["engine"]).window
+                    if spec["tuning"]["mode"] != "Off" else 0.0)
+    keep_s = max(policy.window_s(), tuner_window)
     window = [o for o in window if o.time >= now - keep_s][-MAX_WINDOW_ENTRIES:]
     available = stale_reason is None
     if available:
@@ -153,14 +154,17 @@ def plan(spec: dict[str, Any], status: dict[str, Any], result: ScrapeResult | No
     return out
 
 
-def _fold(result: ScrapeResult, window: list[Observation]) -> tuple[str, str] | None:
+def _fold(result: ScrapeResult, window: list[Observation], current: int) -> tuple[str, str] | None:
     """Append this pass's observation; (reason, message) when the data is not fit to decide on."""
     failed = [s for s in result.scrapes if s.sample is None]
     detail = "; ".join(f"pod {s.pod}: {s.error}" for s in failed[:3]) + (
         f"; {len(failed) - 3} more" if len(failed) > 3 else "")
     if result.ready == 0:
+        if current == 0 and result.observation is not None:
+            window.append(result.observation)     # scaled to zero: the router's queue is the whole signal
+            return None
         return "NoReadyEngines", "no ready engine pod to scrape"
-    if result.observation is None:
+    if result.observation is None or result.observation.engines == 0:
         return "ScrapeFailed", f"no engine answered /metrics ({detail})"
     window.append(result.observation)
     if 2 * result.observation.engines < result.ready:
@@ -170,6 +174,8 @@ def _fold(result: ScrapeResult, window: list[Observation]) -> tuple[str, str] | 
 
 def _scraped_message(result: ScrapeResult) -> str:
     assert result.observation is not None
+    if result.ready == 0:
+        return f"no engine; {result.observation.waiting} request(s) queued at the router"
     failed = [s.pod for s in result.scrapes if s.sample is None]
     text = f"{result.observation.engines}/{result.ready} ready engines answered"
     return text + (f" (no answer from {', '.join(failed)})" if failed else "")
@@ -187,7 +193,7 @@ def _tune(spec: dict[str, Any], status: dict[str, Any], window: list[Observation
     rec = {k: v for k, v in d.recommendation.items()}
     new = {"mode": mode, "recommendation": rec, "reason": d.reason, "held": d.held or "", "state": d.state.to_json()}
     changed_rec = rec and rec != (old.get("recommendation") or {})
-    if rec and (d.apply or d.revert):
+    if rec and d.apply:         # a revert is applied only when allowed now, like any change
         out.tuned.update(rec)
         verb = "reverting" if d.revert else "applying"
         new["lastApplied"] = {"time": iso(now), "change": rec, "reason": d.reason, "revert": d.revert}

@@ -345,7 +345,7 @@ def test_zero_waiting_target_turns_the_queue_signal_off():
 
 # ---------------------------------------------------------------- zero
 
-def test_scale_to_zero_only_after_a_whole_idle_window_and_not_back_from_zero():
+def test_scale_to_zero_only_after_a_whole_idle_window():
     p = policy(min_replicas=0, scale_down_stabilization_s=300)
     tr = Trace(p, lambda t: (0.4, 0) if t < 300 else (0.0, 0), current=2)
     tr.run(0, 1200)
@@ -353,7 +353,21 @@ def test_scale_to_zero_only_after_a_whole_idle_window_and_not_back_from_zero():
     zero_at = tr.events[-1][0]
     assert zero_at >= 300 + 300 - INTERVAL
     d = tr.decisions[-1][1]
-    assert d.frozen and d.desired == 0 and "router's queue signal" in d.reason
+    assert d.frozen and d.desired == 0 and "no request queued at the router" in d.reason
+
+
+def test_requests_queued_at_the_router_bring_a_scaled_to_zero_model_back():
+    p = policy(min_replicas=0, max_replicas=4)
+    idle = Observation(100.0, 0, 0.0, 0, 0)
+    assert decide(p, [idle], 0, AutoscalerState(), 100.0).desired == 0
+    queued = Observation(115.0, 0, 0.0, 3, 0)
+    d = decide(p, [idle, queued], 0, AutoscalerState(), 115.0)
+    assert (d.desired, d.frozen) == (1, False) and "3 requests queued at the router" in d.reason
+    assert d.state.last_scale_up_time == 115.0
+    # an old queue reading (the router stopped answering) is no reason to start an engine
+    assert decide(p, [queued], 0, AutoscalerState(), 115.0 + 3 * p.interval_s).desired == 0
+    # with minReplicas above 0 the bound alone brings it up, queue or not
+    assert decide(policy(min_replicas=2), [idle], 0, AutoscalerState(), 100.0).desired == 2
 
 
 def test_light_load_never_scales_to_zero():
@@ -516,10 +530,9 @@ def test_observation_json_round_trip_is_compact():
     assert Observation.from_json(json.loads(json.dumps(raw))) == o
     assert Observation.from_json({"time": 1.0, "engines": 1, "kv_cache_usage": 0.5, "waiting": 0,
                                   "running": 2}) == Observation(1.0, 1, 0.5, 0, 2)
-    # No engine answering, requests queued at the router: valid, and the autoscaler keeps the count.
+    # No engine answering, requests queued at the router: a valid observation (what scale-from-zero reads).
     router_only = Observation.from_json([5.0, 0, 0.0, 12, 0])
-    assert router_only.waiting == 12
-    assert decide(policy(min_replicas=0), [router_only], 0, AutoscalerState(), 5.0).desired == 0
+    assert router_only.waiting == 12 and router_only.engines == 0
 
 
 @pytest.mark.parametrize("raw", [
