@@ -5,7 +5,7 @@ backend, no ``--enforce-eager``; see ``cuda_graph_runner.py``); every other step
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 
@@ -17,24 +17,26 @@ from .cuda_graph_runner import CUDAGraphRunner, GraphBackend, capture_sizes, sel
 from .kv_cache import KVCache
 from .scheduler import SchedulerOutput
 
-_AUTO = object()  # graph_backend default: chosen from device, backend, enforce_eager and the env
-
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_manager: BlockManager,
                  backend: AttentionBackend, device: torch.device, *, max_model_len: int | None = None,
                  max_num_seqs: int = 256, enforce_eager: bool = False,
-                 graph_backend: GraphBackend | None | object = _AUTO,
+                 graph_backend: GraphBackend | None | Literal["auto"] = "auto",
                  graph_sizes: Sequence[int] | None = None):
-        """``graph_backend`` (tests): force a graph backend (e.g. ``EmulatedGraphBackend()`` on CPU)
-        or ``None`` for none; by default ``select_graph_backend`` decides. ``graph_sizes`` replaces
-        the batch-size ladder. Graphs are captured here, once: the KV cache must already exist."""
+        """``graph_backend``: ``"auto"`` lets ``select_graph_backend`` decide (device, attention
+        backend, ``enforce_eager``, ``PAGEDMODEL_CUDA_GRAPHS``); tests may force one (e.g.
+        ``EmulatedGraphBackend()`` on CPU) or ``None``; ``enforce_eager`` wins either way.
+        ``graph_sizes`` replaces the batch-size ladder. Graphs are captured here, once, so the KV
+        cache must already be allocated."""
         self.model = model
         self.kv_cache = kv_cache
         self.bm = block_manager
         self.backend = backend
         self.device = device
-        if graph_backend is _AUTO:
+        if isinstance(graph_backend, str):
+            if graph_backend != "auto":
+                raise ValueError(f"graph_backend must be 'auto', None or a GraphBackend, got {graph_backend!r}")
             graph_backend = select_graph_backend(device, backend, enforce_eager)
         self.graph_runner: CUDAGraphRunner | None = None
         if graph_backend is not None and not enforce_eager:

@@ -19,6 +19,7 @@ from pagedmodel.server.cuda_graph_runner import (
     GRAPHS_ENV, CudaGraphBackend, CUDAGraphRunner, EmulatedGraphBackend, capture_sizes, select_graph_backend,
 )
 from pagedmodel.server.llm import LLM
+from pagedmodel.server.model_runner import ModelRunner
 from pagedmodel.server.sampling_params import SamplingParams
 from tiny_models import make_tiny_model_dir
 
@@ -108,13 +109,39 @@ def test_enforce_eager_and_cpu_default_capture_nothing(untied_llama_dir, monkeyp
     assert _llm(untied_llama_dir, "auto", monkeypatch).engine.runner.graph_runner is None
 
 
+def test_model_runner_takes_an_injected_graph_backend(untied_llama_dir, monkeypatch):
+    engine = _llm(untied_llama_dir, "off", monkeypatch).engine
+    parts = (engine.model, engine.kv_cache, engine.block_manager, engine.backend, engine.device)
+    runner = ModelRunner(*parts, max_model_len=MAX_MODEL_LEN, graph_backend=EmulatedGraphBackend(), graph_sizes=[1, 3])
+    assert runner.graph_runner is not None and runner.graph_runner.sizes == [1, 3]
+    assert runner.graph_runner.stats.capture_seconds > 0   # captured at construction
+    assert ModelRunner(*parts, max_model_len=MAX_MODEL_LEN, graph_backend=EmulatedGraphBackend(),
+                       enforce_eager=True).graph_runner is None
+    with pytest.raises(ValueError, match="max_model_len"):
+        ModelRunner(*parts, graph_backend=EmulatedGraphBackend())
+    with pytest.raises(ValueError, match="graph_backend"):
+        ModelRunner(*parts, max_model_len=MAX_MODEL_LEN, graph_backend="cuda")
+
+
 # ---- engine parity -------------------------------------------------------------------------
 
 def test_graph_decode_matches_eager(untied_llama_dir, eager_reference, monkeypatch):
     llm = _llm(untied_llama_dir, "emulate", monkeypatch)
     runner = llm.engine.runner.graph_runner
     assert runner is not None and runner.sizes == [1, 2, 4, 8]
+    calls: list[tuple[list[int], bool]] = []   # (query lengths, replayed?) per step
+    run = runner.run
+
+    def spy(input_ids, positions, meta):
+        hidden = run(input_ids, positions, meta)
+        calls.append((list(meta.query_lens_cpu), hidden is not None))
+        return hidden
+
+    monkeypatch.setattr(runner, "run", spy)
     _assert_same(eager_reference, _generate(llm))
+    # a step mixing decode rows with a prefill chunk ran eagerly; every pure decode step replayed
+    assert any(1 in q and max(q) > 1 and not replayed for q, replayed in calls), calls
+    assert all(replayed == (max(q) == 1) for q, replayed in calls), calls
     stats = runner.stats
     # 5 -> padded to 8, 4 and 3 -> 4, 2 -> 2, 1 -> 1; the first steps mix prefill chunks with decodes
     assert set(stats.replays) == {8, 4, 2, 1}, stats
