@@ -44,9 +44,9 @@ def untied_llama_dir(tmp_path_factory, smollm2_dir):
                                tokenizer_dir=smollm2_dir, tie_word_embeddings=False)
 
 
-def _llm(model_dir, graphs: str, monkeypatch, **overrides) -> LLM:
+def _llm(model_dir, graphs: str, monkeypatch, backend: str = "torch", **overrides) -> LLM:
     monkeypatch.setenv(GRAPHS_ENV, graphs)
-    monkeypatch.setenv("PAGEDMODEL_ATTENTION_BACKEND", "torch")
+    monkeypatch.setenv("PAGEDMODEL_ATTENTION_BACKEND", backend)
     kwargs = dict(model=str(model_dir), device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                   max_model_len=MAX_MODEL_LEN, max_num_seqs=8, num_gpu_blocks_override=96,
                   max_num_batched_tokens=16)
@@ -161,6 +161,25 @@ def test_batches_above_the_ladder_run_eagerly(untied_llama_dir, eager_reference,
     _assert_same(eager_reference, _generate(llm))
     assert small.stats.eager_steps["batch above the largest graph"] >= 3, small.stats
     assert set(small.stats.replays) == {1, 2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_cuda_graphs_match_eager(untied_llama_dir, monkeypatch):
+    """The one test here that captures real CUDA graphs (Triton backend, shared pool); it only
+    runs on a machine with a GPU."""
+    from pagedmodel.kernels.triton_launch import interpreting
+
+    if interpreting():
+        pytest.skip("this session interprets the Triton kernels (TRITON_INTERPRET=1): they can't be captured")
+    eager = _llm(untied_llama_dir, "off", monkeypatch, backend="triton", device="cuda")
+    assert eager.engine.runner.graph_runner is None
+    reference = _generate(eager)
+    del eager
+    llm = _llm(untied_llama_dir, "auto", monkeypatch, backend="triton", device="cuda")
+    runner = llm.engine.runner.graph_runner
+    assert runner is not None and runner.graphs.name == "cuda" and runner.stats.capture_bytes is not None
+    _assert_same(reference, _generate(llm))
+    assert set(runner.stats.replays) == {8, 4, 2, 1}, runner.stats
 
 
 # ---- the runner on hand-made steps ---------------------------------------------------------
