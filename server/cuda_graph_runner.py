@@ -139,6 +139,7 @@ class CudaGraphBackend:
 
     def free_memory(self) -> int | None:
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # count what capture holds, not blocks the allocator merely caches
         return torch.cuda.mem_get_info(self.device)[0]
 
 
