@@ -36,12 +36,12 @@ def pagedmodel_crd(cluster):
 
 
 @contextlib.contextmanager
-def operator(cluster, namespace: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+def operator(cluster, namespace: str, log: Path, router: str = "disabled") -> Iterator[subprocess.Popen[bytes]]:
     """`pagedmodel operator` for one namespace; SIGTERM (then SIGKILL) on exit."""
     env = dict(cluster.env(), OMP_NUM_THREADS="1")
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.server.cli", "operator", "-n", namespace,
-                                 "--status-interval", "1", "--router", "disabled",
+                                 "--status-interval", "1", "--router", router,
                                  # local pods share the host's network: each must bind only its own address
                                  "--pod-bind", "pod-ip" if cluster.is_local else "all"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -132,13 +132,17 @@ def test_pagedmodel_lifecycle(cluster, namespace, pagedmodel_crd, tmp_path):
         assert st["selector"] == f"app.kubernetes.io/component=engine,pagedmodel.io/name={NAME}"
         assert st["url"] == f"http://{NAME}.{namespace}.svc:80/v1"
         assert st["engine"]["maxNumSeqs"] == 4 and st["engine"]["device"] == "cpu"
-        assert {c["type"]: c["status"] for c in st["conditions"]} == {
+        conditions = {c["type"]: c["status"] for c in st["conditions"]}
+        assert {t: conditions[t] for t in ("Ready", "Available", "Progressing", "Degraded")} == {
             "Ready": "True", "Available": "True", "Progressing": "False", "Degraded": "False"}
 
         # Printer columns (metrics come from the timer's scrape of the engine) and short name.
         pm = wait_until(lambda: (lambda p: p if "metrics" in p["status"] else None)(pm_json(cluster, namespace)),
                         timeout=30, what="status.metrics scraped from the engine")
         assert pm["status"]["metrics"]["stale"] is False and pm["status"]["metrics"]["waiting"] == 0
+        conditions = {c["type"]: c for c in pm["status"]["conditions"]}
+        assert conditions["MetricsAvailable"]["status"] == "True", conditions
+        assert conditions["ScalingActive"]["reason"] == "Disabled"      # autoscaling is off in the example
         table = cluster.kubectl("get", "pm", namespace=namespace).stdout.splitlines()
         assert table[0].split() == ["NAME", "MODEL", "READY", "KV%", "WAITING", "PHASE", "AGE"]
         row = table[1].split()
