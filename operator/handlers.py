@@ -1,9 +1,12 @@
 """kopf wiring, kept thin: every trigger runs the same reconcile pass (controller.py).
 
 create/update/resume react at once to spec changes and operator restarts; a timer re-runs the pass so
-status follows the children (pods becoming ready, crash loops, rollouts) without watching them. No
-finalizer is added: children carry owner references, so deletion is the garbage collector's job and a
-stopped operator never blocks `kubectl delete pm`.
+status follows the children (pods becoming ready, crash loops, rollouts) without watching them.
+Children carry owner references, so deleting them is the garbage collector's job; no delete handler
+exists. kopf does put its own finalizer on each PagedModel, because it stops a resource's timer before
+letting it go: with the operator running, a deletion completes within a second or so (the timer is
+polled every CANCELLATION_POLL_S, not kopf's default minute); with the operator stopped it waits for it
+(or for `kubectl patch pm NAME --type=merge -p '{"metadata":{"finalizers":null}}'`).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from .metrics import http_fetch
 
 
 RETRY_BACKOFF_S = 5.0
+CANCELLATION_POLL_S = 1.0     # how often kopf checks that a deleted PagedModel's timer has stopped
 
 
 @dataclass
@@ -67,6 +71,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
             prefix=names.GROUP, key="last-handled-configuration")
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 60
+        # A timer caught mid-pass by a deletion is re-checked after this long; kopf's default (60 s) makes
+        # `kubectl delete pm` wait a minute whenever a pass was running.
+        settings.background.cancellation_polling = CANCELLATION_POLL_S
         logger.info("router %s", "enabled" if router_enabled else "not available: the Service selects the engines")
 
     def run_pass(body: Any, patch: kopf.Patch, logger: logging.Logger, scrape: bool) -> None:

@@ -5,6 +5,7 @@ backend, no ``--enforce-eager``; see ``cuda_graph_runner.py``); every other step
 """
 from __future__ import annotations
 
+import logging
 from typing import Literal, Sequence
 
 import torch
@@ -16,6 +17,8 @@ from .block_manager import BlockManager
 from .cuda_graph_runner import CUDAGraphRunner, GraphBackend, capture_sizes, select_graph_backend
 from .kv_cache import KVCache
 from .scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -39,13 +42,24 @@ class ModelRunner:
                 raise ValueError(f"graph_backend must be 'auto', None or a GraphBackend, got {graph_backend!r}")
             graph_backend = select_graph_backend(device, backend, enforce_eager)
         self.graph_runner: CUDAGraphRunner | None = None
+        self.graph_capture_error: str | None = None
         if graph_backend is not None and not enforce_eager:
             if max_model_len is None:
                 raise ValueError("CUDA graphs need max_model_len (it sizes the static block tables)")
-            self.graph_runner = CUDAGraphRunner(
+            runner = CUDAGraphRunner(
                 model, kv_cache.layers, backend, graph_backend, block_size=block_manager.block_size,
                 max_model_len=max_model_len, sizes=graph_sizes or capture_sizes(max_num_seqs), device=device)
-            self.graph_runner.capture()
+            try:
+                runner.capture()
+                self.graph_runner = runner
+            except Exception as exc:   # graphs are an optimisation: a capture failure must not stop serving
+                self.graph_capture_error = f"{type(exc).__name__}: {exc}"
+                logger.error("CUDA graph capture failed (%s); every step runs eagerly. --enforce-eager skips the "
+                             "capture.", self.graph_capture_error, exc_info=True)
+                del runner
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                    torch.cuda.empty_cache()     # give the half-captured graphs' pool back to the KV-less heap
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
                                                        list[tuple[int, int, int]]]:

@@ -123,6 +123,28 @@ def test_model_runner_takes_an_injected_graph_backend(untied_llama_dir, monkeypa
         ModelRunner(*parts, max_model_len=MAX_MODEL_LEN, graph_backend="cuda")
 
 
+def test_a_failed_capture_falls_back_to_eager_instead_of_failing(untied_llama_dir, eager_reference, monkeypatch,
+                                                                  caplog):
+    class Broken(EmulatedGraphBackend):
+        def new_graph(self):
+            graph = super().new_graph()
+
+            def capture(fn):
+                raise RuntimeError("operation not permitted when stream is capturing")
+            graph.capture = capture
+            return graph
+
+    llm = _llm(untied_llama_dir, "off", monkeypatch)
+    engine = llm.engine
+    with caplog.at_level("ERROR"):
+        engine.runner = ModelRunner(engine.model, engine.kv_cache, engine.block_manager, engine.backend,
+                                    engine.device, max_model_len=MAX_MODEL_LEN, graph_backend=Broken())
+    assert engine.runner.graph_runner is None
+    assert "stream is capturing" in engine.runner.graph_capture_error
+    assert "CUDA graph capture failed" in caplog.text
+    _assert_same(eager_reference, _generate(llm))
+
+
 # ---- engine parity -------------------------------------------------------------------------
 
 def test_graph_decode_matches_eager(untied_llama_dir, eager_reference, monkeypatch):
