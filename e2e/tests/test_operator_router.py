@@ -15,10 +15,6 @@ import asyncio
 import contextlib
 import copy
 import math
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +27,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from .helpers import wait_until
+from .test_operator_pagedmodel import operator, pagedmodel_crd  # noqa: F401  (pagedmodel_crd: fixture)
 
 REPO = Path(__file__).resolve().parents[2]
-CRD = REPO / "crds" / "pagedmodel.yaml"
 EXAMPLE = REPO / "examples" / "cpu-tiny.yaml"
 NAME = "ratelimited"
 ENGINES = 2
@@ -51,36 +47,6 @@ PROMPT = "The capital of France is"
 # request may each be delayed by scheduling on two shared cores (router event loop, client, kernel).
 # One second of delay is generous next to the ~10 ms a request takes to reach the router when idle.
 SCHEDULING_SLACK_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def pagedmodel_crd(cluster):
-    """The repository's CRD, applied (idempotently) and left installed, as test_operator_pagedmodel does."""
-    cluster.kubectl("apply", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pagedmodels.pagedmodel.io", "--timeout=30s")
-    yield
-
-
-@contextlib.contextmanager
-def operator(cluster, namespace: str, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`pagedmodel operator --router enabled` for one namespace; SIGTERM (then SIGKILL) on exit."""
-    env = dict(cluster.env(), OMP_NUM_THREADS="1")
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.server.cli", "operator", "-n", namespace,
-                                 "--status-interval", "1", "--router", "enabled",
-                                 # local pods share the host's network: each must bind only its own address
-                                 "--pod-bind", "pod-ip" if cluster.is_local else "all"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def manifest() -> str:
@@ -188,7 +154,7 @@ def router_metrics(url: str) -> str:
 @pytest.mark.slow
 def test_rate_limited_router_in_front_of_two_engines(cluster, namespace, pagedmodel_crd, tmp_path):
     log = tmp_path / "operator.log"
-    with operator(cluster, namespace, log):
+    with operator(cluster, namespace, log, router="enabled"):
         cluster.kubectl("apply", "-f", "-", stdin=manifest(), namespace=namespace)
 
         # Both engines Ready (the operator's phase), then the router Ready behind the public Service.
