@@ -22,18 +22,19 @@ NAME = "autoscaled"
 INTERVAL_S = 2
 STABLE_WINDOW_S = 12
 SCALE_DOWN_S = 10
-# SmolLM2: 30 layers x (K, V) x 3 KV heads x 64 dims x fp32 = 46,080 bytes per token. 1,536 tokens of KV
-# cache: three long-running requests fill it past the 0.5 target; a 1,200-token prompt still fits.
-KV_BYTES = 1536 * 46080
+# SmolLM2: 30 layers x (K, V) x 3 KV heads x 64 dims x fp32 = 46,080 bytes per token. 1,152 tokens of KV
+# cache: four 210-token requests hold ~0.7 of it, well past the 0.3 target; a ~1,100-token prompt still fits.
+KV_TOKENS = 1152
+KV_BYTES = KV_TOKENS * 46080
 
 
 def spec() -> dict[str, Any]:
     return {
         "model": {"source": "builtin://smollm2", "servedName": "smollm2"},
-        "engine": {"maxNumSeqs": 4, "maxModelLen": 1536, "kvCacheMemoryBytes": KV_BYTES, "swapSpaceGiB": 0,
+        "engine": {"maxNumSeqs": 4, "maxModelLen": KV_TOKENS, "kvCacheMemoryBytes": KV_BYTES, "swapSpaceGiB": 0,
                    "device": "cpu"},
         "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"},
-        "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetKVCacheUsage": 0.5,
+        "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetKVCacheUsage": 0.3,
                         "targetWaitingPerReplica": 2, "intervalSeconds": INTERVAL_S,
                         "stableWindowSeconds": STABLE_WINDOW_S, "scaleDownStabilizationSeconds": SCALE_DOWN_S},
         "tuning": {"mode": "Recommend"},
@@ -137,8 +138,8 @@ def test_kv_pressure_scales_up_and_back_down_and_the_tuner_recommends(cluster, n
         with cluster.service_url(namespace, NAME, 80) as url:
             wait_until(lambda: httpx.get(f"{url}/health", timeout=10).json().get("upstreams_ready") == 1,
                        timeout=60, what="router discovered the engine")
-            # ---- KV pressure: 6 clients x (short prompt + 400 generated tokens) on a 1,536-token cache.
-            with Load(url, clients=6, prompt="Tell me a long story about a dragon.", max_tokens=400) as load:
+            # ---- KV pressure: 6 clients x (short prompt + 200 generated tokens) on a 1,152-token cache.
+            with Load(url, clients=6, prompt="Tell me a long story about a dragon.", max_tokens=200) as load:
                 t0 = time.monotonic()
                 up = wait_until(lambda: (lambda s: s if s.get("desiredReplicas") == 2 else None)(
                     status(cluster, namespace)), timeout=90, interval=0.5, what="scale-up to 2 replicas")
@@ -168,7 +169,7 @@ def test_kv_pressure_scales_up_and_back_down_and_the_tuner_recommends(cluster, n
                 assert text in described, described
 
             # ---- Recommend mode: long sequences -> a larger block size is proposed in status.
-            long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 110)   # ~1,200 tokens
+            long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 110)   # 1,100 tokens
             with Load(url, clients=2, prompt=long_prompt, max_tokens=8) as load:
                 tuned = wait_until(lambda: (lambda s: s if (s.get("tuning") or {}).get("recommendation", {})
                                             .get("blockSize") == 32 else None)(status(cluster, namespace)),
