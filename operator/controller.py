@@ -131,10 +131,14 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
         observation, memory.baselines[meta.get("uid", model)] = observe(
             scrapes, memory.baselines.get(meta.get("uid", model), {}), clock, router_queue=queue)
         result = ScrapeResult(len(ready), scrapes, observation)
+    # An HPA matters where it decides the count (autoscaling on) or what the conditions say (a scrape pass).
+    external_hpa = (kube.external_autoscaler(namespace, model)
+                    if spec["autoscaling"]["enabled"] or result is not None else None)
+    observed = replace(observed, external_autoscaler=external_hpa is not None)
     current = engine_replicas(spec, observed)
     scaling = plan(spec, old_status, result, current=current, engine=effective_engine(spec, observed),
                    tuned=observed.tuned, now=clock, generation=int(meta.get("generation") or 0),
-                   rolling_out=_rolling_out(before), external_hpa=kube.external_autoscaler(namespace, model))
+                   rolling_out=_rolling_out(before), external_hpa=external_hpa)
     annotations = {}
     if scaling.tuned != observed.tuned:
         annotations[names.ANNOTATION_TUNED] = json.dumps(scaling.tuned, sort_keys=True)

@@ -150,10 +150,6 @@ def ready_pods(pods: Iterable[dict[str, Any]]) -> list[tuple[str, str]]:
     return out
 
 
-def ready_pod_ips(pods: Iterable[dict[str, Any]]) -> list[str]:
-    return [ip for _, ip in ready_pods(pods)]
-
-
 Fetch = Callable[[str], str]     # URL -> response text; raises on failure
 
 

@@ -42,12 +42,15 @@ class Observed:
     selects the engines directly and the router Deployment is kept at 0 replicas.
     bind_host: what engines and routers listen on: 0.0.0.0 on real clusters (kubectl port-forward dials
     127.0.0.1 inside the pod), "$(POD_IP)" where pods share one network namespace (the e2e kubelet).
+    external_autoscaler: an HPA scales the PagedModel through its scale subresource, so spec.replicas
+    (what it writes) is the count, whatever spec.autoscaling says.
     """
 
     engine_replicas: int | None = None
     tuned: dict[str, Any] = field(default_factory=dict)
     router_enabled: bool = False
     bind_host: str = "0.0.0.0"
+    external_autoscaler: bool = False
 
 
 def owner_reference(pm: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +110,7 @@ def config_hash(payload: Any) -> str:
 
 def engine_replicas(spec: dict[str, Any], observed: Observed) -> int:
     auto = spec["autoscaling"]
-    if not auto["enabled"]:
+    if not auto["enabled"] or observed.external_autoscaler:
         return int(spec["replicas"])
     current = observed.engine_replicas if observed.engine_replicas is not None else auto["minReplicas"]
     return max(auto["minReplicas"], min(auto["maxReplicas"], current))

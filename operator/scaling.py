@@ -100,9 +100,8 @@ def plan(spec: dict[str, Any], status: dict[str, Any], result: ScrapeResult | No
 
     # ---- metrics: fold the scrape in, decide whether the data can be trusted
     stale_reason = _fold(result, window, current)
-    tuner_window = (TuningPolicy.from_spec(spec["tuning"], spec["engine"]).window
-                    if spec["tuning"]["mode"] != "Off" else 0.0)
-    keep_s = max(policy.window_s(), tuner_window)
+    tuning = TuningPolicy.from_spec(spec["tuning"], spec["engine"]) if spec["tuning"]["mode"] != "Off" else None
+    keep_s = max(policy.window_s(), tuning.window_s() if tuning else 0.0)
     window = [o for o in window if o.time >= now - keep_s][-MAX_WINDOW_ENTRIES:]
     available = stale_reason is None
     if available:
@@ -146,7 +145,7 @@ def plan(spec: dict[str, Any], status: dict[str, Any], result: ScrapeResult | No
                                         "the built-in autoscaler is off", generation, now_iso))
 
     # ---- tuner
-    tuning_status = _tune(spec, status, window, engine, out, now, rolling_out,
+    tuning_status = _tune(tuning, status, window, engine, out, now, rolling_out,
                           panicking=bool(decision and decision.panic))
     if tuning_status is not None:
         out.status["tuning"] = tuning_status
@@ -181,16 +180,16 @@ def _scraped_message(result: ScrapeResult) -> str:
     return text + (f" (no answer from {', '.join(failed)})" if failed else "")
 
 
-def _tune(spec: dict[str, Any], status: dict[str, Any], window: list[Observation], engine: dict[str, Any],
+def _tune(policy: TuningPolicy | None, status: dict[str, Any], window: list[Observation], engine: dict[str, Any],
           out: ScalingOutcome, now: float, rolling_out: bool, panicking: bool) -> dict[str, Any] | None:
-    mode = spec["tuning"]["mode"]
+    """status.tuning for this pass; `policy` None: tuning is Off (its state is kept for when it comes back)."""
     old = dict(status.get("tuning") or {})
-    if mode == "Off":
+    if policy is None:
         return {"mode": "Off", "state": old.get("state")} if old.get("state") else None
-    policy = TuningPolicy.from_spec(spec["tuning"], spec["engine"])
+    mode = policy.mode
     state = TunerState.from_json(old.get("state"))
     d = tune(policy, window, engine, state, now, rolling_out=rolling_out, panicking=panicking)
-    rec = {k: v for k, v in d.recommendation.items()}
+    rec = dict(d.recommendation)
     new = {"mode": mode, "recommendation": rec, "reason": d.reason, "held": d.held or "", "state": d.state.to_json()}
     changed_rec = rec and rec != (old.get("recommendation") or {})
     if rec and d.apply:         # a revert is applied only when allowed now, like any change

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from pagedmodel.operator.metrics import (EngineSample, PodScrape, aggregate, observe, parse_engine_metrics,
-                                         ready_pod_ips, ready_pods, scrape)
+                                         ready_pods, scrape)
 
 TEXT = """# HELP vllm:kv_cache_usage_perc Share of KV cache blocks in use (0-1).
 # TYPE vllm:kv_cache_usage_perc gauge
@@ -74,7 +74,6 @@ POD_C = {"metadata": {"name": "c"}, "status": {"podIP": "10.0.0.3", "conditions"
 def test_scrape_reports_engines_that_fail_and_only_asks_ready_pods():
     ready = ready_pods([POD_A, POD_B, POD_C])
     assert ready == [("a", "10.0.0.1"), ("c", "10.0.0.3")]
-    assert ready_pod_ips([POD_A, POD_B, POD_C]) == ["10.0.0.1", "10.0.0.3"]
     asked = []
 
     def fetch(url: str) -> str:

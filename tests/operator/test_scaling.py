@@ -166,13 +166,16 @@ def test_an_operator_restart_does_not_scale_twice():
 def test_an_hpa_on_the_pagedmodel_turns_the_autoscaler_off():
     hpa = {"metadata": {"name": "by-hand"},
            "spec": {"scaleTargetRef": {"apiVersion": "pagedmodel.io/v1alpha1", "kind": "PagedModel", "name": "smollm2"}}}
-    sim = ClusterSim(AUTO, hpas=[hpa])
+    sim = ClusterSim({**AUTO, "replicas": 2}, hpas=[hpa])      # spec.replicas: what the HPA wrote
     sim.load = lambda url: metrics_text(1.0, 40, 4)
     for i in range(4):
         st = sim.step(T0 + 10 * i)
     active = conditions(st)["ScalingActive"]
     assert active["status"] == "False" and active["reason"] == "ExternalAutoscaler" and "by-hand" in active["message"]
-    assert sim.replicas() == 1 and "ScaledUp" not in [r for r, _ in sim.events]
+    assert sim.replicas() == 2 and st["desiredReplicas"] == 2 and "ScaledUp" not in [r for r, _ in sim.events]
+    sim.pm["spec"]["replicas"] = 3                              # the HPA scales through the scale subresource
+    sim.step(T0 + 41, scrape=False)
+    assert sim.replicas() == 3
 
 
 def test_a_model_scaled_to_zero_comes_back_when_requests_queue_at_the_router():
