@@ -146,9 +146,13 @@ class LocalCluster:
         from .controllers.manager import ControllerManager
         from .kubelet.kubelet import Kubelet
 
-        kubelet = Kubelet(self.api, node_name=self.node_name, capacity=self.node_capacity,
-                          pod_network=self.pod_network, workdir=self.workdir / "pods",
-                          restart_backoff_s=self.restart_backoff_s, api_url=self.url)
+        from .apiserver.discovery import KUBE_VERSION
+        from .kubelet.node_api import EmulatorNodeApi
+
+        kubelet = Kubelet(EmulatorNodeApi(self.api, self.url, self.node_name), node_name=self.node_name,
+                          capacity=self.node_capacity, pod_network=self.pod_network, workdir=self.workdir / "pods",
+                          restart_backoff_s=self.restart_backoff_s,
+                          kubelet_version="v{}.{}.{}".format(*KUBE_VERSION))
         self.server.log_locator = kubelet.log_path
         self.server.exec_locator = kubelet.exec_context
         manager = ControllerManager(self.api, node_name=self.node_name)

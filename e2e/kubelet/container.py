@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..apiserver.api import now_iso
+from .clock import now_iso
 from . import process
 from .probes import ProbeState, run_probe
 
@@ -17,7 +18,7 @@ MAX_BACKOFF_S = 60.0
 
 class ContainerWorker:
     def __init__(self, spec: dict[str, Any], *, pod_ip: str, cwd: str, log_dir: Path, restart_policy: str,
-                 backoff_base_s: float, prepare: Callable[[], tuple[list[str], dict[str, str]]],
+                 backoff_base_s: float, prepare: Callable[[], Any],
                  notify: Callable[[], None], emit: Callable[[str, str, str], None]) -> None:
         self.spec = spec
         self.name: str = spec["name"]
@@ -73,7 +74,9 @@ class ContainerWorker:
         backoff_exp = 0
         while not self._stopping.is_set():
             try:
-                argv, env = self.prepare()
+                prepared = self.prepare()
+                # The real-API kubelet fetches ConfigMaps, Secrets and a token first: prepare may be async.
+                argv, env = await prepared if inspect.isawaitable(prepared) else prepared
             except ValueError as exc:
                 reason, _, message = str(exc).partition(": ")
                 self._set_state({"waiting": {"reason": reason, "message": message}})

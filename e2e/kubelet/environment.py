@@ -6,9 +6,10 @@ import os
 import re
 import shutil
 import sys
-from typing import Any
+from typing import Any, Callable
 
-from ..apiserver.api import Api
+# (storage, namespace, name) -> the stored object or None; "configmaps" and "secrets" are asked.
+Lookup = Callable[[str, str, str], "dict[str, Any] | None"]
 
 _REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -37,9 +38,9 @@ def _field(pod: dict[str, Any], path: str) -> str:
     raise ValueError(f"CreateContainerConfigError: unsupported fieldRef {path!r}")
 
 
-def _lookup(api: Api, ns: str, kind: str, name: str, key: str | None, optional: bool) -> Any:
+def _lookup(api: Lookup, ns: str, kind: str, name: str, key: str | None, optional: bool) -> Any:
     storage = "configmaps" if kind == "configmap" else "secrets"
-    obj = api.store.peek(storage, ns, name)
+    obj = api(storage, ns, name)
     if obj is None:
         if optional:
             return None
@@ -69,7 +70,7 @@ def resolve_command(argv: list[str]) -> list[str]:
     return argv
 
 
-def build(api: Api, pod: dict[str, Any], container: dict[str, Any], api_host: str,
+def build(api: Lookup, pod: dict[str, Any], container: dict[str, Any], api_host: str,
           api_port: int, kubeconfig: str | None = None) -> tuple[list[str], dict[str, str]]:
     """argv and env of one container. ``kubeconfig``: the pod's service-account stand-in (see
     credentials.py), exported as ``KUBECONFIG`` unless the container sets that variable itself."""

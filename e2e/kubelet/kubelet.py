@@ -2,17 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from ..apiserver.api import Api, now_iso
-from ..apiserver.errors import ApiError
-from ..apiserver.store import WatchEvent
-from . import credentials, environment, process
+from . import environment, process
+from .clock import now_iso
 from .container import ContainerWorker
 from .node import node_object
+from .node_api import NodeApi
 
 log = logging.getLogger("e2e.kubelet")
 COMPONENT = "kubelet"
@@ -62,18 +62,22 @@ class PodRuntime:
             self.tasks.append(asyncio.create_task(worker.run(), name=f"{self.name}/{worker.name}"))
 
     def _current(self) -> dict[str, Any]:
-        pod = self.kubelet.api.store.get("pods", self.namespace, self.name)
+        pod = self.kubelet.node_api.get_pod(self.namespace, self.name)
         if pod is None or pod["metadata"]["uid"] != self.uid:
             raise ValueError("CreateContainerError: pod no longer exists")
         return pod
 
     def _preparer(self, spec: dict[str, Any]) -> Any:
-        def prepare() -> tuple[list[str], dict[str, str]]:
-            pod = self._current()
+        async def prepare() -> tuple[list[str], dict[str, str]]:
+            pod = copy.deepcopy(self._current())
             pod.setdefault("status", {})["podIP"] = self.ip
             pod["status"]["hostIP"] = self.kubelet.node_ip
-            argv, env = environment.build(self.kubelet.api, pod, spec, self.kubelet.api_host, self.kubelet.api_port,
-                                          kubeconfig=self._credentials(pod))
+            node_api = self.kubelet.node_api
+            lookup = await node_api.lookup_for(pod, spec)
+            # A hidden directory: container names (log directories here) are DNS labels and never start with ".".
+            kubeconfig = await node_api.credentials(pod, self.dir / ".serviceaccount")
+            argv, env = environment.build(lookup, pod, spec, self.kubelet.api_host, self.kubelet.api_port,
+                                          kubeconfig=kubeconfig)
             # The device plugin's part: a container sees exactly the GPUs assigned to it (none if it asked none).
             visible = ",".join(str(i) for i in self.gpus.get(spec["name"], []))
             env["CUDA_VISIBLE_DEVICES"] = visible
@@ -81,21 +85,11 @@ class PodRuntime:
             return argv, env
         return prepare
 
-    def _credentials(self, pod: dict[str, Any]) -> str | None:
-        """Path of the pod's service-account kubeconfig, or None when no token would be mounted."""
-        if not self.kubelet.api_url or not credentials.automounts_token(self.kubelet.api, pod):
-            return None   # no API server to point at (a bare kubelet), or a pod that opted out
-        # A hidden directory: container names (log directories here) are DNS labels and never start with ".".
-        path = self.dir / ".serviceaccount" / "kubeconfig"
-        return str(credentials.write_kubeconfig(path, self.kubelet.api_url, self.namespace,
-                                                credentials.service_account_name(pod)))
-
     def _emitter(self, container: str) -> Any:
         def emit(etype: str, reason: str, message: str) -> None:
-            pod = self.kubelet.api.store.get("pods", self.namespace, self.name)
+            pod = self.kubelet.node_api.get_pod(self.namespace, self.name)
             if pod is not None and pod["metadata"]["uid"] == self.uid:
-                pod["apiVersion"], pod["kind"] = "v1", "Pod"
-                self.kubelet.api.record_event(pod, etype, reason, message, COMPONENT)
+                self.kubelet.node_api.record_event(pod, etype, reason, message)
         return emit
 
     def _transition(self, ctype: str, status: str) -> dict[str, Any]:
@@ -154,17 +148,18 @@ class PodRuntime:
 
 
 class Kubelet:
-    def __init__(self, api: Api, *, node_name: str, capacity: dict[str, str], pod_network: str, workdir: Path,
-                 restart_backoff_s: float = 1.0, api_url: str = "") -> None:
-        self.api = api
+    def __init__(self, node_api: NodeApi, *, node_name: str, capacity: dict[str, str], pod_network: str,
+                 workdir: Path, restart_backoff_s: float = 1.0, kubelet_version: str = "v1.37.0") -> None:
+        self.node_api = node_api
+        self.kubelet_version = kubelet_version
         self.node_name = node_name
         self.capacity = capacity
         self.pod_network = pod_network
         self.node_ip = f"{pod_network}.1"
         self.workdir = Path(workdir)
         self.restart_backoff_s = restart_backoff_s
-        self.api_url = api_url
-        parsed = urlparse(api_url or "http://127.0.0.1:0")
+        self.api_url = node_api.api_url
+        parsed = urlparse(self.api_url or "http://127.0.0.1:0")
         self.api_host, self.api_port = parsed.hostname or "127.0.0.1", parsed.port or 0
         self.pods: dict[str, PodRuntime] = {}
         self._free_ips = [f"{pod_network}.{i}" for i in range(2, 255)]
@@ -177,11 +172,8 @@ class Kubelet:
 
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        nodes = self.api.builtin("nodes")
-        body = node_object(self.node_name, self.capacity, self.node_ip)
-        if self.api.store.peek("nodes", "", self.node_name) is None:
-            self.api.create(nodes, None, body)
-        self.api.store.add_listener(self._on_write)
+        body = node_object(self.node_name, self.capacity, self.node_ip, self.kubelet_version)
+        await self.node_api.start(body, self.wake)
         self._task = asyncio.create_task(self._loop(), name="kubelet")
 
     async def stop(self) -> None:
@@ -192,6 +184,7 @@ class Kubelet:
         await asyncio.gather(*self._stopping.values(), return_exceptions=True)
         process.kill_all(grace_s=0.5)
         self.pods.clear()
+        await self.node_api.stop()
 
     def allocate_gpus(self, count: int) -> list[int]:
         ids, self._free_gpus = self._free_gpus[:count], self._free_gpus[count:]
@@ -202,10 +195,6 @@ class Kubelet:
 
     def wake(self) -> None:
         self._wake.set()
-
-    def _on_write(self, event: WatchEvent) -> None:
-        if event.storage in ("pods", "configmaps", "secrets"):
-            self._wake.set()
 
     def log_path(self, namespace: str, name: str, container: str, previous: bool) -> str | None:
         for rt in self.pods.values():
@@ -239,10 +228,7 @@ class Kubelet:
                 log.exception("kubelet sync failed")
 
     def sync(self) -> None:
-        api = self.api
-        pods_rt = api.builtin("pods")
-        mine = {p["metadata"]["uid"]: p for p in api.store.list("pods")
-                if p.get("spec", {}).get("nodeName") == self.node_name}
+        mine = {p["metadata"]["uid"]: p for p in self.node_api.pods_on_node()}
         for uid, pod in mine.items():
             meta = pod["metadata"]
             runtime = self.pods.get(uid)
@@ -271,26 +257,16 @@ class Kubelet:
             status = runtime.status(pod)
             if status["phase"] in ("Succeeded", "Failed"):
                 runtime.release_gpus()   # finished pods give their devices back, as the scheduler assumes
-            if pod.get("status") != status:
-                body = api.served(pods_rt, pod)
-                body["status"] = status
-                try:
-                    api.update(pods_rt, runtime.namespace, runtime.name, body, subresource="status")
-                except ApiError:
-                    pass
+            self.node_api.write_status(pod, status)
 
     def _finalize(self, pod: dict[str, Any]) -> None:
-        try:
-            self.api.delete(self.api.builtin("pods"), pod["metadata"]["namespace"], pod["metadata"]["name"],
-                            {"gracePeriodSeconds": 0, "preconditions": {"uid": pod["metadata"]["uid"]}})
-        except ApiError:
-            pass
+        self.node_api.finalize(pod)
 
     async def _terminate(self, runtime: PodRuntime, grace: float, removed: bool = False) -> None:
         try:
             await runtime.stop(grace)
             if not removed:
-                pod = self.api.store.get("pods", runtime.namespace, runtime.name)
+                pod = self.node_api.get_pod(runtime.namespace, runtime.name)
                 if pod is not None and pod["metadata"]["uid"] == runtime.uid:
                     self.sync_one_status(runtime, pod)
                     self._finalize(pod)
@@ -301,10 +277,4 @@ class Kubelet:
             runtime.release_gpus()
 
     def sync_one_status(self, runtime: PodRuntime, pod: dict[str, Any]) -> None:
-        pods_rt = self.api.builtin("pods")
-        body = self.api.served(pods_rt, pod)
-        body["status"] = runtime.status(pod)
-        try:
-            self.api.update(pods_rt, runtime.namespace, runtime.name, body, subresource="status")
-        except ApiError:
-            pass
+        self.node_api.write_status(pod, runtime.status(pod))

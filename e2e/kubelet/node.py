@@ -5,13 +5,10 @@ import os
 import platform
 from typing import Any
 
-from ..apiserver.discovery import KUBE_VERSION
 
-
-def node_object(name: str, capacity: dict[str, str], internal_ip: str) -> dict[str, Any]:
+def node_object(name: str, capacity: dict[str, str], internal_ip: str, version: str = "v1.37.0") -> dict[str, Any]:
     arch = "arm64" if platform.machine() in ("aarch64", "arm64") else "amd64"
     resources = {k: str(v) for k, v in capacity.items() if not (k == "nvidia.com/gpu" and str(v) in ("0", ""))}
-    version = "v{}.{}.{}".format(*KUBE_VERSION)
     return {
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
