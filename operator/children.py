@@ -2,8 +2,10 @@
 
 Each child carries an annotation with the hash of the manifest the operator last applied; a child whose
 hash matches is left alone (no write, no resourceVersion bump), so re-running reconcile -- also after an
-operator restart -- changes nothing. A mismatch replaces the child (PUT with the live resourceVersion, so
-a concurrent writer yields a 409 and the next pass retries), keeping fields the API server owns.
+operator restart -- changes nothing. Otherwise the manifest is server-side applied (field manager
+``pagedmodel-operator``, ``force``: the operator's fields are the operator's): fields other managers own
+-- a person's ``kubectl apply --server-side`` label, the Service's allocated IPs, the Deployment
+controller's revision annotation -- are kept, and fields the operator stops setting are removed.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from . import names
 from .reconcile import config_hash
 
 ANNOTATION_APPLIED = "pagedmodel.io/applied-hash"
+FIELD_MANAGER = "pagedmodel-operator"
+APPLY_PATCH = "application/apply-patch+yaml"
 
 # kind -> (API prefix, plural) of every child kind the operator manages (and nothing else: see the chart's RBAC).
 PATHS: dict[str, tuple[str, str]] = {
@@ -46,11 +50,12 @@ class Kube:
     def __init__(self, api: ApiClient) -> None:
         self.api = api
 
-    def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None) -> Any:
+    def _call(self, method: str, path: str, body: Any = None, query: list[tuple[str, str]] | None = None,
+              content_type: str = "application/json") -> Any:
         # kubernetes>=35 generates param_serialize/call_api; serialising here keeps auth and host handling its own.
         _method, url, headers, payload, _ = self.api.param_serialize(
             method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
-            header_params={"Accept": "application/json", "Content-Type": "application/json"})
+            header_params={"Accept": "application/json", "Content-Type": content_type})
         response = self.api.call_api(_method, url, header_params=headers, body=payload, _request_timeout=30)
         response.read()
         data = response.data or b""
@@ -106,34 +111,17 @@ class Kube:
         body = copy.deepcopy(manifest)
         body["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED] = digest
         live = self.get(self.path(kind, namespace, name))
-        if live is None:
-            try:
-                self._call("POST", self.path(kind, namespace), body)
-            except ApiException as exc:
-                if exc.status != 409:
-                    raise
-                # A concurrent pass (create handler vs timer) created it first: converge on what is there.
-                live = self.get(self.path(kind, namespace, name))
-                if live is None:
-                    raise
-            else:
-                return Applied(kind, name, "created", None)
-        live_meta = live.get("metadata") or {}
-        same = (live_meta.get("annotations") or {}).get(ANNOTATION_APPLIED) == digest
-        # The one drift worth undoing without a spec change: someone scaled our Deployment by hand.
-        if kind == "Deployment" and (live.get("spec") or {}).get("replicas") != manifest["spec"]["replicas"]:
-            same = False
-        if same:
-            return Applied(kind, name, "unchanged", live)
-        # Keep what others own: annotations (deployment revision, kubectl's), the Service's allocated IPs.
-        body["metadata"]["annotations"] = {**(live_meta.get("annotations") or {}), **body["metadata"]["annotations"]}
-        body["metadata"]["resourceVersion"] = live_meta.get("resourceVersion")
-        if kind == "Service":
-            for key in ("clusterIP", "clusterIPs", "ipFamilies", "ipFamilyPolicy"):
-                if key in (live.get("spec") or {}):
-                    body["spec"][key] = live["spec"][key]
-        self._call("PUT", self.path(kind, namespace, name), body)
-        return Applied(kind, name, "updated", live)
+        if live is not None:
+            same = ((live.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_APPLIED) == digest
+            # The one drift worth undoing without a spec change: someone scaled our Deployment by hand.
+            if kind == "Deployment" and (live.get("spec") or {}).get("replicas") != manifest["spec"]["replicas"]:
+                same = False
+            if same:
+                return Applied(kind, name, "unchanged", live)
+        # JSON is YAML: the apply body is the manifest itself.
+        self._call("PATCH", self.path(kind, namespace, name), body, content_type=APPLY_PATCH,
+                   query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
+        return Applied(kind, name, "created" if live is None else "updated", live)
 
 
 def _api_error(status: int, reason: str | None, data: bytes) -> ApiException:

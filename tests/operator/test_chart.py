@@ -78,7 +78,7 @@ def test_rbac_is_least_privilege():
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "delete" not in rule["verbs"]
     assert verbs[("", "secrets")] == {"get"} and verbs[("", "persistentvolumeclaims")] == {"get"}
-    assert verbs[("apps", "deployments")] == {"get", "create", "update"}
+    assert verbs[("apps", "deployments")] == {"get", "create", "patch"}     # server-side apply
     assert verbs[("pagedmodel.io", "pagedmodels/status")] == {"get", "patch"}
     assert verbs[("", "events")] == {"create"}
     assert verbs[("autoscaling", "horizontalpodautoscalers")] == {"list"}
@@ -86,7 +86,7 @@ def test_rbac_is_least_privilege():
     from pagedmodel.operator.children import PATHS
     for kind, (prefix, plural) in PATHS.items():
         group = "" if prefix == "/api/v1" else prefix.split("/")[2]
-        assert {"get", "create", "update"} <= verbs[(group, plural)], kind
+        assert verbs[(group, plural)] == {"get", "create", "patch"}, kind
 
 
 @pytest.mark.parametrize("bad", [

@@ -14,7 +14,8 @@ CPU = {"model": {"source": "builtin://smollm2"}, "engine": {"maxNumSeqs": 4, "de
 
 
 class FakeKube(Kube):
-    """Kube over a dict store: counts writes, bumps resourceVersions, rejects stale PUTs like the API server."""
+    """Kube over a dict store: counts writes, bumps resourceVersions; server-side apply (PATCH) replaces the
+    operator's fields and keeps the status, as the API server does for a manager owning every spec field."""
 
     def __init__(self, existing: set[str] | None = None) -> None:
         self.store: dict[str, dict[str, Any]] = {}
@@ -22,7 +23,8 @@ class FakeKube(Kube):
         self.rv = 0
         self.existing = existing or set()
 
-    def _call(self, method: str, path: str, body: Any = None, query: Any = None) -> Any:
+    def _call(self, method: str, path: str, body: Any = None, query: Any = None,
+              content_type: str = "application/json") -> Any:
         if method == "GET":
             obj = self.store.get(path)
             if obj is None:
@@ -31,11 +33,10 @@ class FakeKube(Kube):
             return copy.deepcopy(obj)
         self.rv += 1
         body = copy.deepcopy(body)
-        if method == "POST":
-            path = f"{path}/{body['metadata']['name']}"
-            assert path not in self.store, f"duplicate create of {path}"
-        else:
-            assert body["metadata"]["resourceVersion"] == self.store[path]["metadata"]["resourceVersion"]
+        assert method == "PATCH" and ("fieldManager", "pagedmodel-operator") in query and ("force", "true") in query
+        assert "resourceVersion" not in body["metadata"]      # apply never races on a stale version
+        if path in self.store and "status" in self.store[path]:
+            body["status"] = self.store[path]["status"]
         body["metadata"]["resourceVersion"] = str(self.rv)
         self.store[path] = body
         self.writes.append((method, path))
@@ -51,7 +52,7 @@ class FakeKube(Kube):
 def test_first_pass_creates_every_child_once_and_second_pass_writes_nothing():
     kube = FakeKube()
     first = reconcile(kube, make_pm(CPU), router_enabled=False, now="2026-01-01T00:00:00Z")
-    assert [m for m, _ in kube.writes] == ["POST"] * 8
+    assert [m for m, _ in kube.writes] == ["PATCH"] * 8
     assert [e.reason for e in first.events] == ["Created", "Progressing"]   # created, no pod ready yet
     assert all(ANNOTATION_APPLIED in o["metadata"]["annotations"] for o in kube.store.values())
     kube.writes.clear()
@@ -67,7 +68,7 @@ def test_engine_flag_change_updates_only_the_engine_deployment_with_an_event():
     kube.writes.clear()
     changed = {**CPU, "engine": {**CPU["engine"], "maxNumSeqs": 8}}
     out = reconcile(kube, make_pm(changed, generation=2, status=first.status), router_enabled=False)
-    assert kube.writes == [("PUT", "/apis/apps/v1/namespaces/ml/deployments/smollm2-engine")]
+    assert kube.writes == [("PATCH", "/apis/apps/v1/namespaces/ml/deployments/smollm2-engine")]
     reasons = {e.reason: e.message for e in out.events}
     assert reasons["Updated"] == "updated Deployment/smollm2-engine"
     assert reasons["EngineArgsChanged"] == "rolling engines: maxNumSeqs 4 -> 8"
@@ -83,7 +84,7 @@ def test_hand_scaled_engine_deployment_is_scaled_back():
     kube.store[path]["spec"]["replicas"] = 5          # kubectl scale deployment ... behind the operator's back
     kube.writes.clear()
     reconcile(kube, make_pm(CPU, status=first.status), router_enabled=False)
-    assert kube.writes == [("PUT", path)] and kube.store[path]["spec"]["replicas"] == 1
+    assert kube.writes == [("PATCH", path)] and kube.store[path]["spec"]["replicas"] == 1
 
 
 def test_invalid_spec_fails_without_touching_the_cluster_and_warns_once():
@@ -116,21 +117,15 @@ def test_garbled_tuner_annotation_is_ignored_not_fatal():
     assert reconcile(FakeKube(), pm, router_enabled=False).status["engine"]["maxNumSeqs"] == 16
 
 
-def test_create_race_converges_instead_of_failing():
-    """Another pass created the child between our GET and POST: the 409 turns into a normal update check."""
-    from kubernetes.client.exceptions import ApiException
-
+def test_child_created_by_someone_else_is_taken_over_by_apply():
+    """A child that exists without our hash (another writer created it) is applied over, not re-created."""
     from pagedmodel.operator.reconcile import desired_state
 
-    class RacyKube(FakeKube):
-        def _call(self, method, path, body=None, query=None):
-            if method == "POST" and not getattr(self, "raced", False):
-                self.raced = True
-                super()._call(method, path, body)          # the other writer wins...
-                raise ApiException(status=409)             # ...and our POST is refused
-            return super()._call(method, path, body, query)
-
-    kube = RacyKube()
+    kube = FakeKube()
     manifest = desired_state(make_pm(CPU))[0]
+    path = kube.path(manifest["kind"], manifest["metadata"]["namespace"], manifest["metadata"]["name"])
+    kube.store[path] = {"metadata": {"name": manifest["metadata"]["name"], "resourceVersion": "1"}}
     applied = kube.apply(manifest)
-    assert applied.action == "unchanged" and [m for m, _ in kube.writes] == ["POST"]
+    assert applied.action == "updated" and kube.writes == [("PATCH", path)]
+    assert kube.store[path]["metadata"]["annotations"][ANNOTATION_APPLIED]
+    assert kube.apply(manifest).action == "unchanged"

@@ -54,13 +54,12 @@ class ClusterSim:
                          "status": {"podIP": f"{net}.{i + 1}", "phase": "Running",
                                     "conditions": [{"type": "Ready", "status": "True"}]}} for i in range(n)]
 
-            def _call(self, method: str, path: str, body: Any = None, query: Any = None) -> Any:
+            def _call(self, method: str, path: str, body: Any = None, query: Any = None,
+                      content_type: str = "application/json") -> Any:
                 if method == "GET" and path.endswith("/horizontalpodautoscalers"):
                     return {"items": sim.hpas}
-                out = super()._call(method, path, body, query)
-                if method == "POST":
-                    path = f"{path}/{body['metadata']['name']}"
-                if method in ("POST", "PUT") and path == ENGINE_DEPLOYMENT:    # the Deployment controller, instantly
+                out = super()._call(method, path, body, query, content_type)
+                if method == "PATCH" and path == ENGINE_DEPLOYMENT:    # the Deployment controller, instantly
                     r = out["spec"]["replicas"]
                     self.store[path]["status"] = {"observedGeneration": 1, "replicas": r, "readyReplicas": r,
                                                   "updatedReplicas": r, "availableReplicas": r}

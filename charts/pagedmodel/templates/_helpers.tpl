@@ -38,19 +38,19 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-# Children, applied by name: read, create, replace. Deletion is the garbage collector's (owner references).
+# Children, applied by name: read, then server-side apply (patch; create when absent). Deletion is the garbage collector's (owner references).
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "create", "update"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["get", "create", "update"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "update"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "update"]
+  verbs: ["get", "create", "patch"]
 # Engine pods for status; pods, endpoints and endpointslices are also what the router Role grants,
 # which Kubernetes only lets the operator create if it holds those permissions itself.
 - apiGroups: [""]
