@@ -1,6 +1,7 @@
-"""A local stand-in cluster: the API emulator plus controller-manager and kubelet, in one process.
+"""A local cluster: by default the real control plane (e2e/kube/) with our kubelet as the node;
+``--emulator`` runs the API emulator plus its controller-manager and kubelet in one process.
 
-    python -m e2e.cluster up [--gpus N] [--cpu N] [--memory SIZE] [--workdir DIR]
+    python -m e2e.cluster up [--emulator] [--gpus N] [--cpu N] [--memory SIZE] [--workdir DIR]
 
 starts it in the foreground, prints the kubeconfig path and the node's loopback range,
 and stops everything (pods included) on Ctrl-C. Tests use :class:`LocalCluster`.
@@ -180,7 +181,20 @@ class LocalCluster:
 
 def _up(args: argparse.Namespace) -> int:
     capacity = {"cpu": args.cpu, "memory": args.memory, "nvidia.com/gpu": str(args.gpus)}
-    cluster = LocalCluster(args.workdir, node_capacity=capacity).start()
+    cluster: Any
+    if args.emulator:
+        cluster = LocalCluster(args.workdir, node_capacity=capacity).start()
+    else:
+        from .kube.control_plane import BinariesMissing
+        from .kube.local_cluster import KubeCluster
+
+        try:
+            cluster = KubeCluster(args.workdir, node_capacity=capacity).start()
+        except BinariesMissing as exc:
+            print(f"error: {exc} (or pass --emulator)", file=sys.stderr)
+            return 2
+        print(f"control plane:  etcd, kube-apiserver, kube-controller-manager, kube-scheduler "
+              f"(up in {cluster.startup_s:.1f}s; kubectl: {cluster.kubectl_path})")
     print(f"API server:     {cluster.url}")
     print(f"kubeconfig:     {cluster.kubeconfig}")
     print(f"pod addresses:  {cluster.pod_network}.2-254 (node {cluster.node_name})")
@@ -199,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    up = sub.add_parser("up", help="start the emulator, controller-manager and kubelet in the foreground")
+    up = sub.add_parser("up", help="start the control plane and the kubelet in the foreground")
+    up.add_argument("--emulator", action="store_true",
+                    help="the in-process API emulator instead of the real control plane (python -m e2e.kube.build)")
     up.add_argument("--workdir", help="where the kubeconfig and pod logs go (default: a temporary directory)")
     up.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu capacity of the node (default 0)")
     up.add_argument("--cpu", default="16", help="cpu capacity of the node (default 16)")

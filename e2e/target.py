@@ -1,7 +1,8 @@
-"""Where e2e scenarios run: the local emulator (default) or a real cluster.
+"""Where e2e scenarios run: a local cluster on the real control plane (``kube``), the local
+emulator (``emulator``, for the scenarios not yet ported), or a real cluster.
 
-``PAGEDMODEL_E2E_CLUSTER=real`` with ``KUBECONFIG`` set points every scenario at a real
-cluster; the pytest fixture ``cluster`` (e2e/tests/conftest.py) is the only switch.
+``PAGEDMODEL_E2E_CLUSTER=real`` with ``KUBECONFIG`` set points every scenario at that cluster;
+the pytest fixtures in e2e/conftest.py are the only switch.
 """
 from __future__ import annotations
 
@@ -34,23 +35,29 @@ def kubectl_binary() -> str:
 class ClusterTarget:
     """A cluster to drive with kubectl and the Python client, local or real."""
 
-    def __init__(self, kubeconfig: Path, local: LocalCluster | None) -> None:
+    def __init__(self, kubeconfig: Path, local: Any | None, kubectl_path: str | None = None) -> None:
         self.kubeconfig = kubeconfig
-        self.local = local
+        self.local = local   # LocalCluster (emulator) or KubeCluster (real control plane), None for a real cluster
+        self._kubectl = kubectl_path
         self.cache_dir = Path(tempfile.mkdtemp(prefix="pagedmodel-e2e-kubecache-"))
         self._clients: list[Any] = []
         self._core_api: Any = None
 
     @property
     def is_local(self) -> bool:
+        """Pods run on this machine's loopback addresses (no kube-proxy, no port-forward needed)."""
         return self.local is not None
+
+    @property
+    def is_emulator(self) -> bool:
+        return isinstance(self.local, LocalCluster)
 
     def env(self) -> dict[str, str]:
         return dict(os.environ, KUBECONFIG=str(self.kubeconfig), KUBECACHEDIR=str(self.cache_dir))
 
     def kubectl(self, *args: str, check: bool = True, timeout: float = 60, stdin: str | None = None,
                 namespace: str | None = None) -> subprocess.CompletedProcess[str]:
-        argv = [kubectl_binary()] + (["-n", namespace] if namespace else []) + list(args)   # before any "--"
+        argv = [self._kubectl or kubectl_binary()] + (["-n", namespace] if namespace else []) + list(args)   # before any "--"
         result = subprocess.run(argv, env=self.env(), capture_output=True, text=True, timeout=timeout, input=stdin)
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stdout}\n"
@@ -63,7 +70,7 @@ class ClusterTarget:
     @contextlib.contextmanager
     def kubectl_stream(self, *args: str, namespace: str | None = None) -> Iterator[subprocess.Popen[str]]:
         """A long-running kubectl (``get -w``, ``logs -f``); always ended on exit."""
-        argv = [kubectl_binary()] + (["-n", namespace] if namespace else []) + list(args)   # before any "--"
+        argv = [self._kubectl or kubectl_binary()] + (["-n", namespace] if namespace else []) + list(args)   # before any "--"
         proc = subprocess.Popen(argv, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         try:
@@ -154,8 +161,10 @@ class ClusterTarget:
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
-def open_target() -> ClusterTarget:
-    """The local emulator unless PAGEDMODEL_E2E_CLUSTER=real and KUBECONFIG name a real cluster."""
+def open_target(kind: str = "kube") -> ClusterTarget:
+    """``kind`` "kube" (etcd + kube-apiserver + controller-manager + scheduler built by
+    ``python -m e2e.kube.build``, our kubelet as the node) or "emulator"; with
+    PAGEDMODEL_E2E_CLUSTER=real, the cluster KUBECONFIG names instead of either."""
     mode = os.environ.get(ENV_SWITCH, "local")
     if mode == "real":
         kubeconfig = os.environ.get("KUBECONFIG")
@@ -164,5 +173,12 @@ def open_target() -> ClusterTarget:
         return ClusterTarget(Path(kubeconfig.split(os.pathsep)[0]), None)
     if mode != "local":
         raise RuntimeError(f"{ENV_SWITCH} must be 'local' or 'real', not {mode!r}")
-    cluster = LocalCluster(node_capacity={"nvidia.com/gpu": "1"}).start()
-    return ClusterTarget(cluster.kubeconfig, cluster)
+    if kind == "emulator":
+        cluster = LocalCluster(node_capacity={"nvidia.com/gpu": "1"}).start()
+        return ClusterTarget(cluster.kubeconfig, cluster)
+    if kind != "kube":
+        raise ValueError(f"unknown cluster kind {kind!r}")
+    from .kube.local_cluster import KubeCluster
+
+    kube = KubeCluster(node_capacity={"nvidia.com/gpu": "1"}).start()
+    return ClusterTarget(kube.kubeconfig, kube, kubectl_path=kube.kubectl_path)

@@ -149,8 +149,10 @@ class PodRuntime:
 
 class Kubelet:
     def __init__(self, node_api: NodeApi, *, node_name: str, capacity: dict[str, str], pod_network: str,
-                 workdir: Path, restart_backoff_s: float = 1.0, kubelet_version: str = "v1.37.0") -> None:
+                 workdir: Path, restart_backoff_s: float = 1.0, kubelet_version: str = "v1.37.0",
+                 kubelet_port: int = 0) -> None:
         self.node_api = node_api
+        self.kubelet_port = kubelet_port   # where our log server listens (0: none, the emulator reads files)
         self.kubelet_version = kubelet_version
         self.node_name = node_name
         self.capacity = capacity
@@ -173,6 +175,8 @@ class Kubelet:
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         body = node_object(self.node_name, self.capacity, self.node_ip, self.kubelet_version)
+        if self.kubelet_port:
+            body["status"]["daemonEndpoints"] = {"kubeletEndpoint": {"Port": self.kubelet_port}}
         await self.node_api.start(body, self.wake)
         self._task = asyncio.create_task(self._loop(), name="kubelet")
 
@@ -202,6 +206,10 @@ class Kubelet:
                 path = rt.workers[container].log_path(previous)
                 return str(path) if path is not None else None
         return None
+
+    def container_running(self, namespace: str, name: str, container: str) -> bool:
+        return any(rt.namespace == namespace and rt.name == name and container in rt.workers
+                   and "running" in rt.workers[container].state for rt in self.pods.values())
 
     def exec_context(self, namespace: str, name: str, container: str) -> tuple[dict[str, str], str] | None:
         """(env, cwd) of a running container, for ``kubectl exec``; None when it is not running."""

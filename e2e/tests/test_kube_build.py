@@ -81,3 +81,14 @@ def test_unreachable_proxy_is_named(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "cannot fetch Go modules through GOPROXY=http://127.0.0.1:9" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_missing_binaries_name_the_build_command(tmp_path):
+    from e2e.kube.control_plane import BinariesMissing, ControlPlane
+
+    try:
+        ControlPlane(tmp_path / "c", bin_dir=tmp_path / "empty")
+    except BinariesMissing as exc:
+        assert "python -m e2e.kube.build" in str(exc) and "kube-apiserver" in str(exc)
+    else:
+        raise AssertionError("a control plane without binaries was accepted")
