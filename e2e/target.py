@@ -129,24 +129,48 @@ class ClusterTarget:
     def service_url(self, namespace: str, service: str, port: int) -> Iterator[str]:
         """An http:// base URL reaching ``service:port`` from the test process.
 
-        Locally that is a ready endpoint's loopback address (there is no kube-proxy);
+        Locally that is a ready selected pod's loopback address (there is no kube-proxy);
         on a real cluster a ``kubectl port-forward`` runs for the duration.
         """
         if self.local is not None:
-            ep = self.kubectl_json("get", "endpoints", service, namespace=namespace)
-            svc = self.kubectl_json("get", "service", service, namespace=namespace)
-            name = next((p.get("name") for p in svc["spec"]["ports"] if p["port"] == port), None)
-            for subset in ep.get("subsets") or []:
-                for ep_port in subset.get("ports") or []:
-                    if (ep_port.get("name") == name or len(subset["ports"]) == 1) and subset.get("addresses"):
-                        yield f"http://{subset['addresses'][0]['ip']}:{ep_port['port']}"
-                        return
-            raise AssertionError(f"service {namespace}/{service} has no ready endpoint for port {port}")
+            deadline = time.monotonic() + 30
+            while True:
+                found = self._ready_endpoint(namespace, service, port)
+                if found is not None:
+                    yield found
+                    return
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"service {namespace}/{service} has no ready endpoint for port {port}")
+                time.sleep(0.3)
         with self.kubectl_stream("port-forward", f"service/{service}", f":{port}", namespace=namespace) as proc:
             assert proc.stdout is not None
             line = proc.stdout.readline()   # "Forwarding from 127.0.0.1:NNNNN -> 8080"
             local = line.split("->")[0].strip().rsplit(":", 1)[-1]
             yield f"http://127.0.0.1:{local}"
+
+    def _ready_endpoint(self, namespace: str, service: str, port: int) -> str | None:
+        """What kube-proxy would pick: a ready pod the Service selects, at the port's targetPort.
+
+        Resolved from the pods, not the EndpointSlices: kube-apiserver refuses loopback addresses in
+        EndpointSlices and Endpoints, so with our pods on 127.x the endpoint controllers write none.
+        """
+        svc = self.kubectl_json("get", "service", service, namespace=namespace)
+        spec_port = next((p for p in svc["spec"]["ports"] if p["port"] == port), None)
+        if spec_port is None:
+            raise AssertionError(f"service {namespace}/{service} has no port {port}")
+        selector = ",".join(f"{k}={v}" for k, v in (svc["spec"].get("selector") or {}).items())
+        target = spec_port.get("targetPort", port)
+        for pod in self.kubectl_json("get", "pods", "-l", selector, namespace=namespace)["items"]:
+            status = pod.get("status") or {}
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+            if not ready or pod["metadata"].get("deletionTimestamp") or not status.get("podIP"):
+                continue
+            number = target if isinstance(target, int) else next(
+                (p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []
+                 if p.get("name") == target), None)
+            if number is not None:
+                return f"http://{status['podIP']}:{number}"
+        return None
 
     def close(self) -> None:
         for client in self._clients:

@@ -27,6 +27,12 @@ NAME = "smollm2-cpu"                 # metadata.name in the example
 
 
 @pytest.fixture(scope="module")
+def cluster(kube_cluster):
+    """This scenario runs on the real control plane (e2e/kube/) with our kubelet as the node."""
+    return kube_cluster
+
+
+@pytest.fixture(scope="module")
 def pagedmodel_crd(cluster):
     """The repository's CRD, applied (or updated) for the session's cluster and left installed: deleting a CRD
     is slow (its objects go first) and the chart test installs the same CRD through Helm."""
@@ -106,6 +112,15 @@ def flag(pod: dict[str, Any], name: str) -> str:
     return args[args.index(name) + 1]
 
 
+def untouched_versions(cluster, namespace: str) -> dict[str, dict[str, str]]:
+    """Versions of the children a maxNumSeqs change must not rewrite: the resourceVersion of Services and
+    Roles (nobody else writes them); the PDB's generation, since the disruption controller keeps writing
+    its status (and so its resourceVersion) as engine pods come and go."""
+    field = {"services": "resourceVersion", "roles": "resourceVersion", "poddisruptionbudgets": "generation"}
+    return {kind: {i["metadata"]["name"]: str(i["metadata"][key]) for i in cluster.kubectl_json(
+        "get", kind, "-l", f"pagedmodel.io/name={NAME}", namespace=namespace)["items"]} for kind, key in field.items()}
+
+
 def events(cluster, namespace: str) -> list[dict[str, Any]]:
     return cluster.kubectl_json("get", "events", "--field-selector", f"involvedObject.name={NAME}",
                                 namespace=namespace)["items"]
@@ -165,9 +180,7 @@ def test_pagedmodel_lifecycle(cluster, namespace, pagedmodel_crd, tmp_path):
         assert reply.json()["choices"][0]["text"].strip().startswith("Paris")
 
         # Changing maxNumSeqs rolls the engines; restart the operator in the middle of the rollout.
-        before = {kind: {i["metadata"]["name"]: i["metadata"]["resourceVersion"] for i in cluster.kubectl_json(
-            "get", kind, "-l", f"pagedmodel.io/name={NAME}", namespace=namespace)["items"]}
-            for kind in ("services", "poddisruptionbudgets", "roles")}
+        before = untouched_versions(cluster, namespace)
         old_pod = engine_pods(cluster, namespace)[0]["metadata"]["name"]
         cluster.kubectl("patch", "pm", NAME, "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":8}}}',
                         namespace=namespace)
@@ -185,9 +198,7 @@ def test_pagedmodel_lifecycle(cluster, namespace, pagedmodel_crd, tmp_path):
                           timeout=60, what="old engine pod gone")
         assert pods[0]["metadata"]["name"] != old_pod and flag(pods[0], "--max-num-seqs") == "8"
         assert children(cluster, namespace) == EXPECTED_CHILDREN          # no duplicates after the restart
-        after = {kind: {i["metadata"]["name"]: i["metadata"]["resourceVersion"] for i in cluster.kubectl_json(
-            "get", kind, "-l", f"pagedmodel.io/name={NAME}", namespace=namespace)["items"]}
-            for kind in ("services", "poddisruptionbudgets", "roles")}
+        after = untouched_versions(cluster, namespace)
         assert after == before             # untouched children were not rewritten by either operator
         assert "Updated" in [e["reason"] for e in events(cluster, namespace)]
 
