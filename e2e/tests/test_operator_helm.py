@@ -14,6 +14,12 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pagedmodel"
 
 
+@pytest.fixture(scope="module")
+def cluster(kube_cluster):
+    """This scenario runs on the real control plane (e2e/kube/) with our kubelet as the node."""
+    return kube_cluster
+
+
 @pytest.fixture
 def release(cluster, namespace):
     config = helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=namespace)
@@ -21,8 +27,8 @@ def release(cluster, namespace):
     config.uninstall("pm", ignore_not_found=True)
 
 
-def test_helm_install_runs_a_working_operator(cluster, namespace, release, local_only):
-    # Locally the operator pod is a process on this machine: it reaches the emulator with the credentials the
+def test_helm_install_runs_a_working_operator(cluster, namespace, release, local_node):
+    # Locally the operator pod is a process on this machine: it reaches kube-apiserver with the credentials the
     # kubelet gives every pod (its service account's, as $KUBECONFIG) and runs this interpreter's `pagedmodel`.
     values = {"watchNamespaces": [namespace], "statusInterval": 1, "router": "disabled", "logLevel": "debug",
               "podBind": "pod-ip",
