@@ -18,6 +18,13 @@ import yaml
 from .helpers import wait_until
 from .test_operator_pagedmodel import operator, pagedmodel_crd, pm_json  # noqa: F401  (pagedmodel_crd: fixture)
 
+
+@pytest.fixture(scope="module")
+def cluster(kube_cluster):
+    """This scenario runs on the real control plane (e2e/kube/) with our kubelet as the node."""
+    return kube_cluster
+
+
 NAME = "autoscaled"
 INTERVAL_S = 2
 STABLE_WINDOW_S = 12
@@ -119,7 +126,7 @@ def served(cluster, pod: dict[str, Any]) -> float:
 
 @pytest.mark.slow
 def test_kv_pressure_scales_up_and_back_down_and_the_tuner_recommends(cluster, namespace, pagedmodel_crd, tmp_path,
-                                                                        local_only):
+                                                                        local_node):
     log = tmp_path / "operator.log"
     with operator(cluster, namespace, log, router="enabled"):
         path = tmp_path / "pm.yaml"
