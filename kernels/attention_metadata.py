@@ -20,7 +20,7 @@ using the host copies only for grid sizes, gather widths and tuning (e.g. the sp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # [B, max_blocks] int32
     query_lens_cpu: list[int]      # host copies, so kernels' launch logic never syncs the device
     seq_lens_cpu: list[int]
+    # what a kernel derives from these tensors once per step (e.g. the torch path's row plan), keyed
+    # by what it was derived from, so the other layers of the step reuse it
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -1,15 +1,37 @@
-"""Pure-torch paged attention: the CPU path, and the oracle the Triton kernels are tested against.
+"""Torch paged attention: the CPU path, and the oracle the Triton kernels are tested against.
 
 KV cache layout, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (index 0 = keys, 1 = values). Contiguous, so a block is one ``block_size * heads * dim`` run
 and a slot index ``block * block_size + offset`` addresses one token's K (or V) row.
+
+Attention costs what the live tokens cost (the sum of the rows' own context lengths, never batch x
+longest), in the cache's own dtype (no float32 copy of the cache):
+
+- *Short rows* -- decode rows and chunks of at most ``SHORT_CHUNK`` rows -- each attend to their own
+  context. On CPU the C++ op (``cpu_paged_attention``) reads each row's blocks in place. Elsewhere,
+  or without a compiler, rows are bucketed by length (a bucket spans at most ``BUCKET_RATIO`` x its
+  shortest row, plus a block) and each bucket is one padded, masked SDPA call.
+- *Long chunks and prompts*: one SDPA call per sequence over its own gathered context.
+
+Exact lengths are read from the device tensors (``seq_lens``, ``query_start_loc``), never from the
+host lists, which a CUDA-graph capture fixes at an upper bound (see ``attention_metadata.py``). On
+CPU that read is free; with this path on a GPU (debugging only) it syncs. The row plan derived from
+the lengths is memoised on the metadata, keyed by the lengths, so the 30-odd layers of a step
+build it once. ``reference_attention`` is the slower, dense second reference this is tested against.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from . import cpu_paged_attention
 from .attention_metadata import AttentionMetadata
+from .reference_attention import gather_context
+
+SHORT_CHUNK = 16     # chunks of up to this many rows go row by row; longer ones through one SDPA call
+BUCKET_RATIO = 2.0   # torch fallback: a bucket's rows are padded to at most this x its shortest row
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -32,77 +54,126 @@ def copy_blocks(kv_caches: list[torch.Tensor], src_dst: torch.Tensor) -> None:
         cache[:, dst] = cache[:, src]
 
 
-def _gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's contiguous K and V, ``[seq_len, kv_heads, dim]`` each."""
-    block_size = kv_cache.shape[2]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = kv_cache[:, block_table[:num_blocks].long()]  # [2, n, bs, H, D]
-    kv = blocks.reshape(2, num_blocks * block_size, *kv_cache.shape[3:])[:, :seq_len]
-    return kv[0], kv[1]
+@dataclass
+class RowPlan:
+    """How one step's query rows are split; derived from the lengths alone."""
+
+    key: tuple[tuple[int, ...], tuple[int, ...]]   # (query_start_loc, seq_lens) it was built from
+    row_index: torch.Tensor | None   # flat rows that go row by row; None: every row, in order
+    row_seq: torch.Tensor            # [R] int64: each such row's sequence (its block-table row)
+    row_len: torch.Tensor            # [R] int32: context tokens that row attends to
+    row_lens: list[int]              # host copy of row_len
+    long_seqs: list[tuple[int, int, int, int]]   # (sequence, first row, query rows, context length)
 
 
-def _decode_batch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                  seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-    """All one-token rows at once: pad contexts to ``max_len``, mask each row past its own length.
+def plan_rows(meta: AttentionMetadata) -> RowPlan:
+    starts = meta.query_start_loc.tolist()
+    lens = meta.seq_lens.tolist()
+    key = (tuple(starts), tuple(lens))
+    cached = meta.memo.get("torch_rows")
+    if cached is not None and cached.key == key:
+        return cached
+    device = meta.seq_lens.device
+    if starts == list(range(len(lens) + 1)):   # all decode: rows are the sequences themselves
+        plan = RowPlan(key, None, torch.arange(len(lens), device=device), meta.seq_lens.to(torch.int32),
+                       lens, [])
+    else:
+        rows: list[int] = []
+        row_seq: list[int] = []
+        row_lens: list[int] = []
+        long_seqs: list[tuple[int, int, int, int]] = []
+        for i, s_len in enumerate(lens):
+            start, q_len = starts[i], starts[i + 1] - starts[i]
+            if q_len > s_len:
+                raise ValueError(f"sequence {i} has {q_len} query rows but a context of only {s_len} tokens")
+            if 0 < q_len <= SHORT_CHUNK:
+                rows.extend(range(start, start + q_len))
+                row_seq.extend([i] * q_len)
+                row_lens.extend(range(s_len - q_len + 1, s_len + 1))   # causal: row j sees s_len - q_len + j + 1
+            elif q_len > 0:
+                long_seqs.append((i, start, q_len, s_len))
+        plan = RowPlan(key, torch.tensor(rows, dtype=torch.long, device=device),
+                       torch.tensor(row_seq, dtype=torch.long, device=device),
+                       torch.tensor(row_lens, dtype=torch.int32, device=device), row_lens, long_seqs)
+    meta.memo["torch_rows"] = plan
+    return plan
 
-    The mask comes from the device tensor ``seq_lens``; the host value ``max_len`` only sizes the
-    gather and may be any upper bound (a CUDA-graph capture passes max-model-len), so a replay
-    with shorter contexts stays exact."""
-    bsz, q_heads, dim = query.shape
-    _, _, block_size, kv_heads, _ = kv_cache.shape
-    group = q_heads // kv_heads
-    num_blocks = (max_len + block_size - 1) // block_size
-    kv = kv_cache[:, block_tables[:, :num_blocks].long()]  # [2, B, n, bs, H, D]
-    kv = kv.reshape(2, bsz, num_blocks * block_size, kv_heads, dim)
-    k, v = kv[0].float(), kv[1].float()
-    q = query.float().view(bsz, kv_heads, group, dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", q, k) * scale
-    pad = torch.arange(num_blocks * block_size, device=query.device)[None, :] >= seq_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-    return out.reshape(bsz, q_heads, dim).to(query.dtype)
+
+def rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, plan: RowPlan,
+                   scale: float) -> torch.Tensor:
+    """Each row of ``query`` ``[R, q_heads, dim]`` over its own first ``plan.row_len`` context tokens."""
+    if query.shape[0] == 0:
+        return query.clone()
+    q = query.to(kv_cache.dtype)
+    op = cpu_paged_attention.load() if kv_cache.device.type == "cpu" else None
+    if op is not None:
+        out = op(q.contiguous(), kv_cache, block_tables.to(torch.int32).contiguous(), plan.row_seq,
+                 plan.row_len, scale)
+    else:
+        out = rows_attention_bucketed(q, kv_cache, block_tables, plan.row_seq, plan.row_lens, scale)
+    return out.to(query.dtype)
 
 
-def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``len(q)`` positions over a context of ``len(k)``."""
-    q_len, q_heads, _ = q.shape
-    seq_len, kv_heads, _ = k.shape
-    group = q_heads // kv_heads
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    q_t, k_t, v_t = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+def length_buckets(row_lens: list[int], block_size: int, ratio: float = BUCKET_RATIO) -> list[list[int]]:
+    """Rows grouped by length, shortest first: a bucket holds rows up to ``ratio`` x its shortest row's
+    length (or one more block), so padding each row to its bucket's longest costs at most that factor."""
+    order = sorted(range(len(row_lens)), key=row_lens.__getitem__)
+    buckets: list[list[int]] = []
+    for r in order:
+        if buckets and row_lens[r] <= max(int(row_lens[buckets[-1][0]] * ratio),
+                                          row_lens[buckets[-1][0]] + block_size):
+            buckets[-1].append(r)
+        else:
+            buckets.append([r])
+    return buckets
+
+
+def rows_attention_bucketed(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                            row_seq: torch.Tensor, row_lens: list[int], scale: float) -> torch.Tensor:
+    """The torch-ops version of the row op: rows of similar length share one padded SDPA call."""
+    _, _, block_size, kv_heads, dim = kv_cache.shape
+    out = torch.empty_like(query)
+    device = query.device
+    for bucket in length_buckets(row_lens, block_size):
+        idx = torch.tensor(bucket, dtype=torch.long, device=device)
+        num_blocks = -(-row_lens[bucket[-1]] // block_size)
+        width = num_blocks * block_size
+        kv = kv_cache[:, block_tables[row_seq[idx], :num_blocks].long()]      # [2, n, blocks, bs, H, D]
+        kv = kv.reshape(2, len(bucket), width, kv_heads, dim).transpose(2, 3)  # [2, n, H, width, D]
+        lens = torch.tensor([row_lens[r] for r in bucket], device=device)
+        mask = torch.arange(width, device=device)[None, :] < lens[:, None]
+        got = F.scaled_dot_product_attention(query[idx].unsqueeze(2), kv[0], kv[1], attn_mask=mask[:, None, None, :],
+                                             scale=scale, enable_gqa=True)
+        out[idx] = got[:, :, 0]
+    return out
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                      scale: float) -> torch.Tensor:
+    """The last ``len(query)`` positions of one sequence, causally over its ``seq_len`` context tokens."""
+    q_len = query.shape[0]
+    k, v = gather_context(kv_cache, block_table, seq_len)
+    q_t = query.to(kv_cache.dtype).transpose(0, 1)
+    k_t, v_t = k.transpose(0, 1), v.transpose(0, 1)
     if q_len == seq_len:
-        out = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # bottom-right aligned causal mask: row j sees keys up to seq_len - q_len + j
-        rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1)
+        rows = torch.arange(q_len, device=query.device)[:, None] + (seq_len - q_len)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1).to(query.dtype)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention for a mixed batch (see AttentionMetadata); ``query`` is ``[T, q_heads, dim]``."""
+    plan = plan_rows(meta)
+    if plan.row_index is None:
+        return rows_attention(query, kv_cache, meta.block_tables, plan, scale)
     out = torch.empty_like(query)
-    q_lens, s_lens = meta.query_lens_cpu, meta.seq_lens_cpu
-    if meta.is_all_decode and q_lens:
-        return _decode_batch(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
-    decode_rows: list[int] = []
-    decode_seqs: list[int] = []
-    start = 0
-    for i, (q_len, s_len) in enumerate(zip(q_lens, s_lens)):
-        if q_len == 1:
-            decode_rows.append(start)
-            decode_seqs.append(i)
-        elif q_len > 0:
-            k, v = _gather_context(kv_cache, meta.block_tables[i], s_len)
-            out[start:start + q_len] = _prefill_one(query[start:start + q_len], k, v, scale)
-        start += q_len
-    if decode_rows:
-        rows = torch.tensor(decode_rows, device=query.device)
-        seqs = torch.tensor(decode_seqs, device=query.device)
-        out[rows] = _decode_batch(query[rows], kv_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
-                                  max(s_lens[i] for i in decode_seqs), scale)
+    if plan.row_index.numel():
+        out[plan.row_index] = rows_attention(query[plan.row_index], kv_cache, meta.block_tables, plan, scale)
+    for i, start, q_len, s_len in plan.long_seqs:
+        out[start:start + q_len] = prefill_attention(query[start:start + q_len], kv_cache, meta.block_tables[i],
+                                                     s_len, scale)
     return out

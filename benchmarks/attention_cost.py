@@ -1,0 +1,85 @@
+"""Decode attention cost: does one long sequence make the short ones pay for its length?
+
+    python benchmarks/attention_cost.py [--threads 2] [--short 150] [--long 2000] [--batch 64]
+
+One layer of SmolLM2-135M's attention (9 query heads, 3 KV heads, head dim 64, block size 16) over
+a decode batch of ``--batch`` sequences of ``--short`` tokens, then the same batch with one of them
+``--long`` tokens long, for each implementation: the dense reference (padded to the longest, float32),
+the torch-ops fallback (length buckets + SDPA) and the C++ row op. Prints milliseconds per call and
+the ratio long/short; the issue's bar is < 2x (the sum of contexts grows by
+``(long - short) / (batch * short)``, 19 % with the defaults). A benchmark, not a test: compare the
+ratios of one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from kernel_batches import make_batch  # noqa: E402
+
+from pagedmodel.kernels import cpu_paged_attention, reference_attention, torch_attention  # noqa: E402
+
+
+def time_ms(fn, reps: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(3):   # best of three rounds: the machine is shared, the minimum is the least noisy
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - start) / reps * 1e3)
+    return best
+
+
+def implementations() -> dict:
+    def fast(mode):
+        def run(b, scale):
+            os.environ[cpu_paged_attention.OP_ENV] = mode
+            return torch_attention.paged_attention(b.query, b.kv_cache, b.meta, scale)
+        return run
+    impls = {"reference (padded, fp32)": lambda b, s: reference_attention.paged_attention(b.query, b.kv_cache, b.meta, s),
+             "torch ops (length buckets)": fast("off")}
+    if cpu_paged_attention.load() is not None:
+        impls["C++ row op"] = fast("auto")
+    else:
+        print(f"C++ row op unavailable: {cpu_paged_attention.load_error()}")
+    return impls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--short", type=int, default=150)
+    ap.add_argument("--long", type=int, default=2000)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64, dtype=dtype)
+    short = make_batch([1] * args.batch, [args.short] * args.batch, **shapes)
+    skewed = make_batch([1] * args.batch, [args.short] * (args.batch - 1) + [args.long], **shapes)
+    scale = 64 ** -0.5
+    print(f"{args.batch} decode rows x {args.short} tokens vs one of them {args.long}; {args.dtype}, "
+          f"{args.threads} threads; ms per layer call")
+    results = {}
+    for name, fn in implementations().items():
+        a = time_ms(lambda: fn(short, scale), args.reps)
+        b = time_ms(lambda: fn(skewed, scale), args.reps)
+        results[name] = {"all_short_ms": a, "one_long_ms": b, "ratio": b / a}
+        print(f"  {name:28s} all short {a:8.2f}  one long {b:8.2f}  ratio {b / a:5.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+// Paged attention for short query rows on CPU, reading K/V in place from the paged cache.
+//
+// Row r of `query` ([R, q_heads, dim]) attends to the first row_len[r] context tokens of the
+// sequence whose block table is block_tables[row_seq[r]]. A decode row has row_len = seq_len; row
+// j of a chunk of q_len rows over a context of seq_len has row_len = seq_len - q_len + j + 1
+// (causal). Each (row, kv head) pair is one work item: it walks the row's own blocks once for keys
+// and once for values, for all the query heads sharing that kv head (GQA), so the cost is the sum
+// of the rows' own lengths -- never batch x longest -- and nothing is copied or upcast up front.
+// Accumulation is float32 whatever the cache dtype (float32, bfloat16, float16).
+//
+// Built at run time by kernels/cpu_paged_attention.py (torch.utils.cpp_extension), registered as
+// torch.ops.pagedmodel.paged_rows_attention.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <numeric>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float load(float x) { return x; }
+inline float load(c10::BFloat16 x) {
+  // bf16 is the top half of a float32: a shift, which the compiler vectorizes
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float load(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void store(T* dst, float v) { *dst = static_cast<T>(v); }
+
+template <typename T>
+void rows_attention(const T* query, const T* cache, const int32_t* tables, const int64_t* row_seq,
+                    const int32_t* row_len, T* out, int64_t rows, int64_t q_heads, int64_t kv_heads,
+                    int64_t dim, int64_t block_size, int64_t table_width, int64_t plane, int64_t max_len,
+                    float scale) {
+  const int64_t group = q_heads / kv_heads;
+  const int64_t token_stride = kv_heads * dim;  // one slot holds every kv head's row
+  // Longest rows first, handed out one at a time: one long row among many short ones must not
+  // leave every other thread idle at the end (a static split would give it one thread's range).
+  std::vector<int64_t> order(rows);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row_len[a] > row_len[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t items = rows * kv_heads;
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> q(group * dim), acc(group * dim), scores(group * std::max<int64_t>(max_len, 1));
+    std::vector<float> sums(group);
+    for (int64_t taken = next++; taken < items; taken = next++) {
+      const int64_t r = order[taken / kv_heads], h = taken % kv_heads;
+      const int64_t len = row_len[r];
+      const int32_t* table = tables + row_seq[r] * table_width;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = query + (r * q_heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = load(src[d]) * scale;
+      }
+      // keys: scores[g][t] = q_g . k_t, walking the row's own blocks in order
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* base = cache + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * token_stride + h * dim;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          const T* k = base + i * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = q.data() + g * dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < dim; ++d) s += qg[d] * load(k[d]);
+            scores[g * len + t0 + i] = s;
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        float m = sg[0];
+        for (int64_t t = 1; t < len; ++t) m = std::max(m, sg[t]);
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          total += sg[t];
+        }
+        sums[g] = total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      // values: acc[g] += p_g[t] * v_t
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const T* base = cache + plane + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * token_stride + h * dim;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          const T* v = base + i * token_stride;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + t0 + i];
+            float* a = acc.data() + g * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) a[d] += p * load(v[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = out + (r * q_heads + h * group + g) * dim;
+        const float inv = 1.f / sums[g];
+        for (int64_t d = 0; d < dim; ++d) store(dst + d, acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_rows_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                const at::Tensor& row_seq, const at::Tensor& row_len, double scale) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2, "bad ranks");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && row_len.scalar_type() == at::kInt &&
+              row_seq.scalar_type() == at::kLong, "block_tables/row_len int32, row_seq int64");
+  const int64_t rows = query.size(0), q_heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = kv_cache.size(3), block_size = kv_cache.size(2);
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == dim && q_heads % kv_heads == 0, "shape mismatch");
+  TORCH_CHECK(row_seq.numel() == rows && row_len.numel() == rows, "one row_seq/row_len per query row");
+  const int64_t plane = kv_cache.size(1) * block_size * kv_heads * dim;
+  at::Tensor out = at::empty_like(query);
+  const auto* tables = block_tables.data_ptr<int32_t>();
+  const auto* seq = row_seq.data_ptr<int64_t>();
+  const auto* len = row_len.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1), num_seqs = block_tables.size(0);
+  int64_t max_len = 0;  // sizes the score buffers; read here, so no caller's bound can overflow them
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(len[r] >= 1 && len[r] <= width * block_size, "row ", r, ": length ", len[r], " outside [1, ",
+                width * block_size, "]");
+    TORCH_CHECK(seq[r] >= 0 && seq[r] < num_seqs, "row ", r, ": sequence ", seq[r], " has no block table");
+    max_len = std::max<int64_t>(max_len, len[r]);
+    const int32_t* table = tables + seq[r] * width;
+    for (int64_t b = 0; b < (len[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < kv_cache.size(1), "row ", r, ": block id ", table[b], " out of range");
+  }
+  const float s = static_cast<float>(scale);
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      rows_attention(query.data_ptr<float>(), kv_cache.data_ptr<float>(), tables, seq, len, out.data_ptr<float>(),
+                     rows, q_heads, kv_heads, dim, block_size, width, plane, max_len, s);
+      break;
+    case at::kBFloat16:
+      rows_attention(query.data_ptr<c10::BFloat16>(), kv_cache.data_ptr<c10::BFloat16>(), tables, seq, len,
+                     out.data_ptr<c10::BFloat16>(), rows, q_heads, kv_heads, dim, block_size, width, plane, max_len, s);
+      break;
+    case at::kHalf:
+      rows_attention(query.data_ptr<c10::Half>(), kv_cache.data_ptr<c10::Half>(), tables, seq, len,
+                     out.data_ptr<c10::Half>(), rows, q_heads, kv_heads, dim, block_size, width, plane, max_len, s);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedmodel, m) {
+  m.def("paged_rows_attention(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor row_seq, Tensor row_len, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedmodel, CPU, m) { m.impl("paged_rows_attention", &paged_rows_attention); }

@@ -1,0 +1,91 @@
+"""The CPU attention op for short query rows (decode, small chunks), built on first use.
+
+``cpu_paged_attention.cpp`` reads each row's own K/V blocks in place from the paged cache (no
+gather, no padding to the batch's longest context, no float32 copy of the cache). It is compiled
+with ``torch.utils.cpp_extension`` the first time a process needs it (tens of seconds, once per
+machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``,
+keyed by the source, flags, torch version and CPU flags, since ``-march=native`` code must not run
+on another CPU). Without a C++ compiler, or with ``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``
+returns None and the pure-torch path (``torch_attention``) does the same work with torch ops.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("pagedmodel.kernels.cpu_op")
+
+OP_ENV = "PAGEDMODEL_CPU_ATTENTION_OP"
+OP_ENV_VALUES = ("auto", "off")
+SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}   # "op": the loaded op or None, "error": why it is None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def build_name() -> str:
+    """The extension's name: a digest of everything that changes the binary."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"pagedmodel_cpu_attention_{digest.hexdigest()[:16]}"
+
+
+def enabled(env: str | None = None) -> bool:
+    choice = (os.environ.get(OP_ENV, "") if env is None else env).strip().lower() or "auto"
+    if choice not in OP_ENV_VALUES:
+        raise ValueError(f"{OP_ENV} must be one of {OP_ENV_VALUES}, got {choice!r}")
+    return choice == "auto"
+
+
+def load() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.pagedmodel.paged_rows_attention``, building it on first call; None if unavailable."""
+    if not enabled():
+        return None
+    with _lock:
+        if "op" not in _state:
+            _state["op"] = _build()
+        return _state["op"]  # type: ignore[return-value]
+
+
+def load_error() -> str | None:
+    """Why ``load()`` returned None (None if it has not failed)."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _registered() -> Callable[..., torch.Tensor] | None:
+    """The op if this process has loaded it already (e.g. through another import path)."""
+    return getattr(torch.ops.pagedmodel, "paged_rows_attention", None)
+
+
+def _build() -> Callable[..., torch.Tensor] | None:
+    if (op := _registered()) is not None:
+        return op
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                           is_python_module=False, verbose=False)
+        return torch.ops.pagedmodel.paged_rows_attention
+    except Exception as exc:   # an optimisation: without it the pure-torch path serves
+        _state["error"] = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+        log.warning("CPU attention op unavailable (%s); attention runs on torch ops", _state["error"])
+        return None

@@ -1,0 +1,129 @@
+"""The torch path (C++ row op and its torch-ops fallback) against the dense reference.
+
+The torch path is the oracle the Triton kernels are tested against, so it gets its own oracle:
+``reference_attention``, the padded float32 computation it replaced. Both variants of the fast path
+run here: the CPU op (``PAGEDMODEL_CPU_ATTENTION_OP=auto``, built on first use) and the pure
+torch-ops fallback (``off``).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernel_batches import make_batch
+from pagedmodel.kernels import cpu_paged_attention, reference_attention, torch_attention
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7),
+       torch.float16: dict(rtol=2 ** -9, atol=2 ** -9)}
+
+
+@pytest.fixture(params=["auto", "off"])
+def op_mode(request, monkeypatch):
+    monkeypatch.setenv(cpu_paged_attention.OP_ENV, request.param)
+    if request.param == "auto" and cpu_paged_attention.load() is None:
+        pytest.fail(f"the CPU op did not build: {cpu_paged_attention.load_error()}")
+    return request.param
+
+
+def _check(query_lens, seq_lens, dtype=torch.float32, **kw):
+    batch = make_batch(query_lens, seq_lens, dtype=dtype, **kw)
+    scale = batch.query.shape[-1] ** -0.5
+    got = torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, scale)
+    expected = reference_attention.paged_attention(batch.query.float(), batch.kv_cache.float(), batch.meta, scale)
+    assert got.shape == batch.query.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mixed_batch_every_row_kind(op_mode, dtype):
+    # decode, short chunk, long chunk (> SHORT_CHUNK rows), fresh prefill, an idle sequence, 1-token context
+    long_chunk = torch_attention.SHORT_CHUNK + 3
+    _check([1, 5, long_chunk, 0, 1, 24], [9, 30, long_chunk + 9, 3, 1, 24], dtype, q_heads=6, kv_heads=2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+def test_decode_lengths_across_block_boundaries(op_mode, block_size):
+    lens = [1, block_size - 1 or 1, block_size, block_size + 1, 3 * block_size, 70]
+    _check([1] * len(lens), lens, block_size=block_size, q_heads=9, kv_heads=3, seed=block_size)
+
+
+def test_one_long_among_many_short(op_mode):
+    _check([1] * 40, [5] * 39 + [300], block_size=16, q_heads=4, kv_heads=1, head_dim=32)
+
+
+@given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 40)), min_size=1, max_size=8), st.integers(0, 2**16))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_random_batches(op_mode, rows, seed):
+    query_lens = [q for q, _ in rows]
+    seq_lens = [max(q, 1) + extra for q, extra in rows]
+    _check(query_lens, seq_lens, block_size=random.Random(seed).choice([1, 4, 8]), q_heads=4, kv_heads=2,
+           head_dim=16, seed=seed)
+
+
+def test_a_reused_metadata_object_follows_its_device_lengths(op_mode):
+    """What a graph replay does: the same metadata object, new lengths in its tensors."""
+    batch = make_batch([1, 1, 1], [30, 7, 12], block_size=4, q_heads=4, kv_heads=2)
+    meta = batch.meta
+    first = torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.25)
+    meta.seq_lens.copy_(torch.tensor([3, 7, 1], dtype=torch.int32))
+    again = torch_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.25)
+    expected = reference_attention.paged_attention(batch.query, batch.kv_cache, meta, 0.25)
+    torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(first[0], again[0])
+
+
+def test_query_rows_beyond_the_context_are_refused():
+    batch = make_batch([1], [4], block_size=4)
+    batch.meta.query_start_loc[1] = 5   # five query rows claim a 4-token context
+    with pytest.raises(ValueError, match="5 query rows but a context of only 4"):
+        torch_attention.plan_rows(batch.meta)
+
+
+def test_the_op_checks_lengths_and_block_ids(monkeypatch):
+    monkeypatch.setenv(cpu_paged_attention.OP_ENV, "auto")
+    op = cpu_paged_attention.load()
+    assert op is not None, cpu_paged_attention.load_error()
+    batch = make_batch([1, 1], [4, 8], block_size=4)
+    tables, seqs = batch.meta.block_tables, torch.arange(2)
+    with pytest.raises(RuntimeError, match="outside"):
+        op(batch.query, batch.kv_cache, tables, seqs, torch.tensor([4, 9], dtype=torch.int32), 1.0)
+    bad = tables.clone()
+    bad[1, 1] = batch.kv_cache.shape[1]
+    with pytest.raises(RuntimeError, match="block id"):
+        op(batch.query, batch.kv_cache, bad, seqs, batch.meta.seq_lens, 1.0)
+
+
+def test_a_failed_build_falls_back_to_torch_ops(monkeypatch):
+    from torch.utils import cpp_extension
+
+    def broken(**_kw):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setenv(cpu_paged_attention.OP_ENV, "auto")
+    monkeypatch.setattr(cpu_paged_attention, "_state", {})
+    monkeypatch.setattr(cpu_paged_attention, "_registered", lambda: None)
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    assert cpu_paged_attention.load() is None
+    assert "no compiler here" in cpu_paged_attention.load_error()
+    _check([1, 3], [10, 3], q_heads=2, kv_heads=1)
+
+
+def test_bad_op_switch_is_named():
+    with pytest.raises(ValueError, match=cpu_paged_attention.OP_ENV):
+        cpu_paged_attention.enabled("fast")
+
+
+def test_length_buckets_bound_the_padding():
+    """The fallback's cost: padding every row to its bucket's longest stays within the ratio (or one
+    block) of the rows' own lengths -- one long row among 63 short ones costs its own length."""
+    rng = random.Random(0)
+    for lens in ([150] * 63 + [2000], [rng.randint(1, 1500) for _ in range(256)], [1] * 5):
+        buckets = torch_attention.length_buckets(lens, 16)
+        assert sorted(r for b in buckets for r in b) == list(range(len(lens)))
+        padded = sum(len(b) * max(lens[r] for r in b) for b in buckets)
+        assert padded <= sum(max(torch_attention.BUCKET_RATIO * lens[r], lens[r] + 16) for r in range(len(lens)))
+    assert len(torch_attention.length_buckets([150] * 63 + [2000], 16)) == 2
