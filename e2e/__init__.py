@@ -1,4 +1,5 @@
-"""End-to-end harness: a Kubernetes API emulator plus a local controller-manager and kubelet.
+"""End-to-end harness: a real Kubernetes control plane built from the Go modules (e2e/kube/) and our
+process kubelet as its node (e2e/kubelet/).
 
-See ``e2e/README.md`` for exactly what is emulated and what is not.
+See ``e2e/README.md`` for what is real and what our kubelet does not do.
 """

@@ -10,32 +10,15 @@ from e2e.target import ClusterTarget, open_target
 
 
 @pytest.fixture(scope="session")
-def kube_cluster() -> Iterator[ClusterTarget]:
+def cluster() -> Iterator[ClusterTarget]:
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (built by ``python -m e2e.kube.build``;
     missing binaries fail the test with that command, never skip it) and our kubelet as the node."""
-    target = open_target("kube")
-    try:
-        yield target
-    finally:
-        target.close()
-        process.kill_all(grace_s=1.0)
-
-
-@pytest.fixture(scope="session")
-def emulator_cluster() -> Iterator[ClusterTarget]:
-    target = open_target("emulator")
+    target = open_target()
     try:
         yield target
     finally:
         target.close()
         process.kill_all(grace_s=1.0)   # belt and braces: nothing we started outlives the session
-
-
-@pytest.fixture(scope="session")
-def cluster(emulator_cluster: ClusterTarget) -> ClusterTarget:
-    """The emulator, for the scenarios not yet ported; a ported module overrides this fixture with
-    ``kube_cluster`` (see e2e/README.md)."""
-    return emulator_cluster
 
 
 @pytest.fixture
@@ -50,12 +33,6 @@ def namespace(cluster: ClusterTarget) -> Iterator[str]:
 @pytest.fixture
 def api_client(cluster: ClusterTarget) -> Any:
     return cluster.api_client()
-
-
-@pytest.fixture
-def local_only(cluster: ClusterTarget) -> None:
-    if not cluster.is_emulator:
-        pytest.skip("inspects the emulator's internals; not applicable to a real cluster")
 
 
 @pytest.fixture

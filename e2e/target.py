@@ -1,8 +1,6 @@
-"""Where e2e scenarios run: a local cluster on the real control plane (``kube``), the local
-emulator (``emulator``, for the scenarios not yet ported), or a real cluster.
-
-``PAGEDMODEL_E2E_CLUSTER=real`` with ``KUBECONFIG`` set points every scenario at that cluster;
-the pytest fixtures in e2e/conftest.py are the only switch.
+"""Where e2e scenarios run: a local cluster on the real control plane (default), or the cluster
+``KUBECONFIG`` names when ``PAGEDMODEL_E2E_CLUSTER=real``. The ``cluster`` fixture
+(e2e/conftest.py) is the only switch.
 """
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-from .cluster import LocalCluster
 
 ENV_SWITCH = "PAGEDMODEL_E2E_CLUSTER"
 
@@ -37,7 +34,7 @@ class ClusterTarget:
 
     def __init__(self, kubeconfig: Path, local: Any | None, kubectl_path: str | None = None) -> None:
         self.kubeconfig = kubeconfig
-        self.local = local   # LocalCluster (emulator) or KubeCluster (real control plane), None for a real cluster
+        self.local = local   # the KubeCluster we started, None for a cluster named by KUBECONFIG
         self._kubectl = kubectl_path
         self.cache_dir = Path(tempfile.mkdtemp(prefix="pagedmodel-e2e-kubecache-"))
         self._clients: list[Any] = []
@@ -47,10 +44,6 @@ class ClusterTarget:
     def is_local(self) -> bool:
         """Pods run on this machine's loopback addresses (no kube-proxy, no port-forward needed)."""
         return self.local is not None
-
-    @property
-    def is_emulator(self) -> bool:
-        return isinstance(self.local, LocalCluster)
 
     def env(self) -> dict[str, str]:
         return dict(os.environ, KUBECONFIG=str(self.kubeconfig), KUBECACHEDIR=str(self.cache_dir))
@@ -185,10 +178,10 @@ class ClusterTarget:
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
-def open_target(kind: str = "kube") -> ClusterTarget:
-    """``kind`` "kube" (etcd + kube-apiserver + controller-manager + scheduler built by
-    ``python -m e2e.kube.build``, our kubelet as the node) or "emulator"; with
-    PAGEDMODEL_E2E_CLUSTER=real, the cluster KUBECONFIG names instead of either."""
+def open_target() -> ClusterTarget:
+    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler (built by
+    ``python -m e2e.kube.build``) with our kubelet as the node; with PAGEDMODEL_E2E_CLUSTER=real,
+    the cluster KUBECONFIG names instead."""
     mode = os.environ.get(ENV_SWITCH, "local")
     if mode == "real":
         kubeconfig = os.environ.get("KUBECONFIG")
@@ -197,11 +190,6 @@ def open_target(kind: str = "kube") -> ClusterTarget:
         return ClusterTarget(Path(kubeconfig.split(os.pathsep)[0]), None)
     if mode != "local":
         raise RuntimeError(f"{ENV_SWITCH} must be 'local' or 'real', not {mode!r}")
-    if kind == "emulator":
-        cluster = LocalCluster(node_capacity={"nvidia.com/gpu": "1"}).start()
-        return ClusterTarget(cluster.kubeconfig, cluster)
-    if kind != "kube":
-        raise ValueError(f"unknown cluster kind {kind!r}")
     from .kube.local_cluster import KubeCluster
 
     kube = KubeCluster(node_capacity={"nvidia.com/gpu": "1"}).start()

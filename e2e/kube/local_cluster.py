@@ -25,6 +25,7 @@ import yaml
 
 from ..kubelet.kubelet import Kubelet
 from ..kubelet.log_server import LogServer
+from ..kubelet.quantity import parse_quantity
 from ..kubelet.remote_api import RemoteNodeApi
 from . import build
 from .control_plane import ControlPlane
@@ -38,6 +39,14 @@ class KubeCluster:
                  bin_dir: Path | None = None) -> None:
         self.node_capacity = {"cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "0",
                               **(node_capacity or {})}
+        for resource, amount in self.node_capacity.items():
+            try:
+                if parse_quantity(amount) < 0:
+                    raise ValueError("must not be negative")
+            except ValueError as exc:
+                raise ValueError(f"node capacity {resource}={amount!r} is not a valid quantity: {exc}") from None
+        if restart_backoff_s <= 0:
+            raise ValueError(f"restart_backoff_s must be > 0, got {restart_backoff_s}")
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pagedmodel-kube-"))
         self.workdir.mkdir(parents=True, exist_ok=True)

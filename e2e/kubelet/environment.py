@@ -72,15 +72,15 @@ def resolve_command(argv: list[str]) -> list[str]:
 
 def build(api: Lookup, pod: dict[str, Any], container: dict[str, Any], api_host: str,
           api_port: int, kubeconfig: str | None = None) -> tuple[list[str], dict[str, str]]:
-    """argv and env of one container. ``kubeconfig``: the pod's service-account stand-in (see
-    credentials.py), exported as ``KUBECONFIG`` unless the container sets that variable itself."""
+    """argv and env of one container. ``kubeconfig``: the pod's service-account kubeconfig (see
+    service_account.py), exported as ``KUBECONFIG`` unless the container sets that variable itself."""
     ns = pod["metadata"]["namespace"]
     env: dict[str, str] = {
         "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
         "LANG": os.environ.get("LANG", "C.UTF-8"),
         "HOSTNAME": pod["metadata"]["name"],
-        # In-cluster clients find the emulator where a pod would find the API server.
+        # Where a pod would find the API server (its kubeconfig is what clients here actually use).
         "KUBERNETES_SERVICE_HOST": api_host, "KUBERNETES_SERVICE_PORT": str(api_port),
         # Logs must appear as they are written (kubectl logs -f), not when a buffer fills.
         "PYTHONUNBUFFERED": "1",

@@ -152,7 +152,7 @@ class Kubelet:
                  workdir: Path, restart_backoff_s: float = 1.0, kubelet_version: str = "v1.37.0",
                  kubelet_port: int = 0) -> None:
         self.node_api = node_api
-        self.kubelet_port = kubelet_port   # where our log server listens (0: none, the emulator reads files)
+        self.kubelet_port = kubelet_port   # where our log server listens (0: none)
         self.kubelet_version = kubelet_version
         self.node_name = node_name
         self.capacity = capacity

@@ -12,6 +12,7 @@ import ssl
 from pathlib import Path
 from typing import Callable
 
+import aiohttp
 from aiohttp import web
 
 # (namespace, pod, container, previous) -> log file path or None
@@ -64,6 +65,14 @@ class LogServer:
             return web.Response(body=data, content_type="text/plain")
         response = web.StreamResponse(headers={"Content-Type": "text/plain"})
         await response.prepare(request)
+        try:
+            await self._follow(request, response, data, path, offset, (ns, pod, container))
+        except (ConnectionError, aiohttp.ClientError):
+            pass   # the client (kubectl logs -f via kube-apiserver) went away
+        return response
+
+    async def _follow(self, request: web.Request, response: web.StreamResponse, data: bytes, path: str,
+                      offset: int, ref: tuple[str, str, str]) -> None:
         await response.write(data)
         while not self._closing.is_set() and request.transport is not None and not request.transport.is_closing():
             await asyncio.sleep(0.2)
@@ -76,6 +85,5 @@ class LogServer:
             if chunk:
                 offset += len(chunk)
                 await response.write(chunk)
-            elif not self._running(ns, pod, container):
+            elif not self._running(*ref):
                 break
-        return response

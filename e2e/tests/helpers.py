@@ -1,34 +1,10 @@
-"""Small helpers shared by the e2e tests: raw API calls, polling, manifests."""
+"""Small helpers shared by the e2e tests: polling, manifests."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
-
-
-def raw(client: Any, method: str, path: str, *, query: dict[str, Any] | None = None, body: Any = None,
-        headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, Any, dict[str, str]]:
-    """One HTTP call through the client's auth and TLS settings; returns (status, decoded body, headers)."""
-    from kubernetes.client.exceptions import ApiException
-
-    hdrs = {"Accept": "application/json", **(headers or {})}
-    if body is not None:
-        hdrs.setdefault("Content-Type", "application/json")
-    try:
-        m, url, hdrs, body, _ = client.param_serialize(method=method, resource_path=path,
-                                                       query_params=list((query or {}).items()), header_params=hdrs,
-                                                       body=body, auth_settings=["BearerToken"])
-        resp = client.call_api(m, url, header_params=hdrs, body=body, _request_timeout=timeout)
-        status, data, resp_headers = resp.status, resp.read(), dict(resp.headers)
-    except ApiException as exc:
-        status, data, resp_headers = exc.status, exc.body, dict(exc.headers or {})
-    text = data.decode() if isinstance(data, bytes) else data
-    try:
-        return status, json.loads(text), resp_headers
-    except (TypeError, ValueError):
-        return status, text, resp_headers
 
 
 def wait_until(check: Callable[[], T], timeout: float = 30, interval: float = 0.2, what: str = "condition") -> T:

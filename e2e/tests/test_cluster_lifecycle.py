@@ -52,7 +52,7 @@ def _pod_pid(kubeconfig: Path) -> int:
     return int(wait_until(running, what="sleeper running").split("://")[1])
 
 
-def test_stop_ends_every_pod_process(local_only, tmp_path):
+def test_stop_ends_every_pod_process(local_node, tmp_path):
     cluster = LocalCluster(tmp_path / "c").start()
     try:
         _kubectl(cluster.kubeconfig, "apply", "-f", "-", stdin=json.dumps(SLEEPER))
@@ -64,7 +64,7 @@ def test_stop_ends_every_pod_process(local_only, tmp_path):
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGKILL])
-def test_cluster_up_command(local_only, tmp_path, stop_signal):
+def test_cluster_up_command(local_node, tmp_path, stop_signal):
     workdir = tmp_path / "up"
     proc = subprocess.Popen([sys.executable, "-m", "e2e.cluster", "up", "--workdir", str(workdir), "--gpus", "2"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -21,10 +21,6 @@ NAME = "restart"
 KINDS = ("deployments", "services", "poddisruptionbudgets", "serviceaccounts", "roles", "rolebindings")
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster):
-    return kube_cluster
-
 
 def children(cluster, namespace):
     return {k: sorted(i["metadata"]["name"] for i in cluster.kubectl_json(

@@ -8,10 +8,6 @@ import yaml
 from .test_operator_pagedmodel import pagedmodel_crd  # noqa: F401  (fixture)
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster):
-    return kube_cluster
-
 
 def _pm(name: str, spec: dict) -> str:
     return yaml.safe_dump({"apiVersion": "pagedmodel.io/v1alpha1", "kind": "PagedModel",

@@ -15,10 +15,6 @@ from e2e.kube.local_cluster import KubeCluster
 from .helpers import wait_until
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster):
-    return kube_cluster
-
 
 def test_kubectl_version_reports_the_real_server(cluster):
     version = json.loads(cluster.kubectl("version", "-o", "json").stdout)

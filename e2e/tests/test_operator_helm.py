@@ -14,11 +14,6 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pagedmodel"
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster):
-    """This scenario runs on the real control plane (e2e/kube/) with our kubelet as the node."""
-    return kube_cluster
-
 
 @pytest.fixture
 def release(cluster, namespace):

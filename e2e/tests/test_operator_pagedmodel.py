@@ -26,11 +26,6 @@ EXAMPLE = REPO / "examples" / "cpu-tiny.yaml"
 NAME = "smollm2-cpu"                 # metadata.name in the example
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster):
-    """This scenario runs on the real control plane (e2e/kube/) with our kubelet as the node."""
-    return kube_cluster
-
 
 @pytest.fixture(scope="module")
 def pagedmodel_crd(cluster):
@@ -247,7 +242,7 @@ def test_invalid_pagedmodel_is_rejected_at_apply(cluster, namespace, pagedmodel_
     assert cluster.kubectl("get", "pm", "bad", namespace=namespace, check=False).returncode != 0
 
 
-# Rules a structural schema cannot state: CEL (evaluated by a real API server, not the emulator) or the
+# Rules a structural schema cannot state: CEL (evaluated by kube-apiserver; see test_crd_cel.py) or the
 # operator's own checks. Either the apply fails naming the field, or the operator reports Failed + InvalidSpec.
 CROSS_FIELD = [
     ({"model": OK_MODEL, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),

@@ -19,10 +19,6 @@ RELEASE = "pm"
 ACCOUNT = "pm-pagedmodel"          # the chart's default: the release's full name
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster):
-    return kube_cluster
-
 
 @pytest.fixture
 def other_namespace(cluster):

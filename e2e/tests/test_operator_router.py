@@ -30,11 +30,6 @@ from .helpers import wait_until
 from .test_operator_pagedmodel import operator, pagedmodel_crd  # noqa: F401  (pagedmodel_crd: fixture)
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster):
-    """This scenario runs on the real control plane (e2e/kube/) with our kubelet as the node."""
-    return kube_cluster
-
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "cpu-tiny.yaml"

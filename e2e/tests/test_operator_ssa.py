@@ -15,10 +15,6 @@ from .test_operator_pagedmodel import operator, pagedmodel_crd  # noqa: F401  (p
 MANAGER = "platform-team"
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_cluster):
-    return kube_cluster
-
 
 def deployment(cluster, namespace):
     return cluster.kubectl_json("get", "deployment", "ssa-engine", namespace=namespace)

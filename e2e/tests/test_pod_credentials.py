@@ -1,6 +1,7 @@
 """Service-account credentials in pods: mounted unless the pod or its ServiceAccount opts out, and usable
-by an in-cluster client. Locally the kubelet's stand-in is a per-pod kubeconfig in ``KUBECONFIG`` (see
-e2e/kubelet/credentials.py); on a real node it is the projected token."""
+by an in-cluster client. Locally the kubelet writes the TokenRequest token and a kubeconfig using it to
+the pod's directory and exports ``KUBECONFIG`` (see e2e/kubelet/service_account.py); on a real node it is
+the projected token."""
 from __future__ import annotations
 
 import yaml
@@ -47,7 +48,7 @@ def test_token_mounted_unless_pod_or_service_account_opts_out(cluster, namespace
         assert first == f"credentials {expected}", (name, first)
 
 
-def test_local_kubeconfig_acts_as_the_pods_service_account(cluster, namespace, local_only):
+def test_local_kubeconfig_acts_as_the_pods_service_account(cluster, namespace, local_node):
     cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(_pod("who")), namespace=namespace)
     out = _finished_log(cluster, namespace, "who")
     assert "kubeconfig None" not in out, out
@@ -58,13 +59,17 @@ def test_local_kubeconfig_acts_as_the_pods_service_account(cluster, namespace, l
     assert config["clusters"][0]["cluster"]["server"] == cluster.local.url
 
 
-def test_in_cluster_client_lists_pods_from_inside_a_pod(cluster, namespace, local_only):
+def test_in_cluster_client_lists_pods_from_inside_a_pod(cluster, namespace, local_node):
     """The router's discovery code, run in a pod, reaches the API with the pod's credentials and infers the
     pod's namespace (local only: the test image on a real node does not carry pagedmodel)."""
     code = ("import sys; from pagedmodel.server.router_discovery import PodDiscovery, current_namespace; "
             "ns = current_namespace(); d = PodDiscovery('app=peer', ns, print); d.connect(); "
             "pods = d._api.list_namespaced_pod(ns, label_selector='app=peer').items; "
             "print(ns, sorted(p.metadata.name for p in pods))")
+    # RBAC applies to the pod's token: the default ServiceAccount may list pods only once granted.
+    cluster.kubectl("create", "role", "pod-lister", "--verb=list", "--resource=pods", namespace=namespace)
+    cluster.kubectl("create", "rolebinding", "default-lists-pods", "--role=pod-lister",
+                    f"--serviceaccount={namespace}:default", namespace=namespace)
     peer = _pod("peer", code="import time; time.sleep(120)")
     peer["metadata"]["labels"] = {"app": "peer"}
     cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all([peer, _pod("lister", code=code)]),

@@ -19,7 +19,7 @@ def test_unknown_mode_is_rejected(monkeypatch):
         open_target()
 
 
-def test_real_mode_starts_no_emulator(monkeypatch, tmp_path):
+def test_real_mode_starts_no_local_cluster(monkeypatch, tmp_path):
     kubeconfig = tmp_path / "config"
     kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
     monkeypatch.setenv(ENV_SWITCH, "real")

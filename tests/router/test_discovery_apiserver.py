@@ -1,4 +1,6 @@
-"""Pod discovery against the e2e Kubernetes API emulator (real `kubernetes` client, real list + watch)."""
+"""Pod discovery against a real kube-apiserver (e2e/kube/: built by `python -m e2e.kube.build`; real
+`kubernetes` client, real list + watch). Pods are created and their status written by the test (as an
+admin); nothing runs them."""
 from __future__ import annotations
 
 import threading
@@ -6,10 +8,9 @@ import time
 
 import pytest
 
-pytest.importorskip("e2e.cluster")
 from kubernetes import client, config  # noqa: E402
 
-from e2e.cluster import LocalCluster  # noqa: E402
+from e2e.kube.local_cluster import KubeCluster  # noqa: E402
 from pagedmodel.server.router_discovery import PodDiscovery  # noqa: E402
 
 
@@ -21,13 +22,17 @@ def _wait(pred, timeout: float = 15.0) -> None:
 
 
 def test_discovery_follows_pods_through_the_api():
-    with LocalCluster(controllers=False) as cluster:
+    with KubeCluster() as cluster:
         api = client.CoreV1Api(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
         ns = "router-disco"
         api.create_namespace({"metadata": {"name": ns}})
+        # Pods are admitted once the ServiceAccount controller made the namespace's "default" account.
+        _wait(lambda: any(a.metadata.name == "default" for a in api.list_namespaced_service_account(ns).items))
 
         def make(name: str, ip: str, labels: dict[str, str]) -> None:
-            api.create_namespaced_pod(ns, {"metadata": {"name": name, "labels": labels}, "spec": {"containers": [
+            # Bound to a node that does not exist: the scheduler leaves it alone and no kubelet runs it.
+            api.create_namespaced_pod(ns, {"metadata": {"name": name, "labels": labels}, "spec": {
+                "nodeName": "nobody", "containers": [
                 {"name": "engine", "image": "x", "ports": [{"name": "http", "containerPort": 8000}]}]}})
             api.patch_namespaced_pod_status(name, ns, {"status": {"podIP": ip, "phase": "Running", "conditions": [
                 {"type": "Ready", "status": "True"}]}})

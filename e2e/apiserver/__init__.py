@@ -1,1 +1,0 @@
-"""A Kubernetes API server stand-in speaking the real REST + watch protocol on loopback."""

@@ -1,1 +1,0 @@
-"""The local controller-manager: scheduler, workload, endpoints, namespace and garbage-collection loops."""
