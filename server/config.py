@@ -77,7 +77,8 @@ class EngineArgs:
         a("--swap-space", type=float, default=d["swap_space"].default, help="GiB of CPU memory for swapped-out KV blocks")
         a("--enable-prefix-caching", action="store_true", help="reuse KV blocks of identical prompt prefixes")
         a("--preemption-mode", choices=PREEMPTION_MODES, default=None, help="how to free KV blocks when they run out")
-        a("--dtype", choices=DTYPES, default="auto", help="weights and activations dtype (auto: bf16 on GPU, fp32 on CPU)")
+        a("--dtype", choices=DTYPES, default="auto",
+          help="weights and activations dtype (auto: bf16 on GPU and on CPUs with AMX or AVX512-BF16, else fp32)")
         a("--device", default="auto", help="auto, cpu or cuda[:N]")
         a("--seed", type=int, default=0, help="seed for requests without one")
         a("--enforce-eager", action="store_true",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pagedmodel.kernels import cpu_paged_attention
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import select_backend
 
@@ -19,6 +20,7 @@ from .beam_group import BeamGroup
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import ConfigError, EngineArgs
+from .cpu_features import has_native_bf16
 from .detokenizer import detokenize_incrementally, init_offsets
 from .kv_cache import CPU_DEFAULT_KV_BYTES, KVCache, bytes_per_block
 from .model_runner import ModelRunner
@@ -70,11 +72,13 @@ def _pick_device(name: str) -> torch.device:
     return device
 
 
-def _pick_dtype(name: str, config, device: torch.device) -> torch.dtype:
+def _pick_dtype(name: str, config, device: torch.device, native_bf16: bool | None = None) -> torch.dtype:
+    """``--dtype``; ``auto`` is bf16 on GPUs (fp16 if the checkpoint is fp16) and on CPUs with native
+    bf16 (AMX / AVX512-BF16), float32 on other CPUs (there bf16 is emulated: slower and lossy)."""
     if name != "auto":
         return getattr(torch, name)
     if device.type == "cpu":
-        return torch.float32  # CPU matmuls in bf16 are slow and lossy; fp32 is the accurate default
+        return torch.bfloat16 if (has_native_bf16() if native_bf16 is None else native_bf16) else torch.float32
     wanted = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
     return torch.float16 if wanted in (torch.float16, "float16") else torch.bfloat16
 
@@ -106,6 +110,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids(config)
 
         self.backend = select_backend(self.device)
+        if self.device.type == "cpu" and self.backend.name == "torch":
+            cpu_paged_attention.load()   # build (or load) the CPU attention op now, not in the first request
         torch.manual_seed(args.seed)
         self.model = LlamaForCausalLM(config, max_positions=self.max_model_len)
         load_weights(self.model, self.model_dir, self.dtype, self.device)

@@ -62,29 +62,46 @@ def _truncate(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def _needs_processing(row: SamplingRow) -> bool:
+    p = row.params
+    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or row.banned_token_ids)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """``logits`` is ``[len(rows), vocab]`` float32."""
+    """``logits`` is ``[len(rows), vocab]`` float32. Plain greedy rows (no penalties, no banned
+    tokens) share one argmax, and every row's chosen logprob is one gather: per-row work is left
+    to the rows that need it (penalties, seeded draws, top logprobs)."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    results = []
+    tokens: list[int] = [0] * len(rows)
+    plain = [i for i, row in enumerate(rows)
+             if (row.params.greedy or row.params.use_beam_search) and not _needs_processing(row)]
+    if plain:
+        picked = logits[plain].argmax(dim=-1) if len(plain) < len(rows) else logits.argmax(dim=-1)
+        for i, token in zip(plain, picked.tolist()):
+            tokens[i] = token
+    plain_set = set(plain)
     for i, row in enumerate(rows):
+        if i in plain_set:
+            continue
         p = row.params
-        needs_processing = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                            or row.banned_token_ids)
-        x = _apply_penalties(logits[i].clone(), row) if needs_processing else logits[i]
+        x = _apply_penalties(logits[i].clone(), row) if _needs_processing(row) else logits[i]
         if p.greedy or p.use_beam_search:
-            token = int(torch.argmax(x))
+            tokens[i] = int(torch.argmax(x))
         else:
             x = _truncate(x / p.temperature, p)
             probs = torch.softmax(x, dim=-1)
             # exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i
             noise = torch.empty_like(probs).exponential_(generator=row.generator)
-            token = int(torch.argmax(probs / noise))
-        lp = logprobs[i]
-        top = None
-        if p.logprobs is not None:
-            top = {token: float(lp[token])}
-            if p.logprobs > 0:
-                vals, ids = torch.topk(lp, p.logprobs)
+            tokens[i] = int(torch.argmax(probs / noise))
+    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+    chosen = logprobs.gather(1, index[:, None])[:, 0].tolist() if rows else []
+    results = []
+    for i, row in enumerate(rows):
+        token, top = tokens[i], None
+        if row.params.logprobs is not None:
+            top = {token: chosen[i]}
+            if row.params.logprobs > 0:
+                vals, ids = torch.topk(logprobs[i], row.params.logprobs)
                 top.update({int(t): float(v) for t, v in zip(ids, vals)})
-        results.append(SampleResult(token, float(lp[token]), top))
+        results.append(SampleResult(token, chosen[i], top))
     return results
