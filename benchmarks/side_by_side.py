@@ -1,0 +1,353 @@
+"""Side by side: pagedmodel vs HF `generate` (static batches) vs vLLM's CPU build, same requests.
+
+    python benchmarks/side_by_side.py [--threads 2] [--num-mixed 256] [--vllm-venv /opt/vllm-venv] [--engines ours hf_static vllm]
+                                      [--serve-rates 1 2 inf] [--serve-prompts 64] [--json out.json]
+
+Workloads (fixed seed, token-id prompts so every engine sees the same lengths):
+
+- ``uniform``: 64 prompts of 24 tokens, 64 output tokens each, EOS ignored (the flattering case).
+- ``mixed``: chat-like lengths -- prompts lognormal in [8, 1500] (median ~135), outputs lognormal in
+  [4, 512] (median ~118) as each request's own ``max_tokens``, EOS ignored so every engine produces
+  exactly the same tokens.
+- ``shared``: 64 requests behind one 256-token system prompt, 8-40 token questions, up to 48 output
+  tokens, stopping at EOS (ours runs with ``--enable-prefix-caching``; vLLM caches prefixes by default).
+
+Offline: output tokens/s of ``LLM.generate`` (ours), HF ``generate`` in static batches of
+``--hf-batch-size`` (left-padded, run to the batch's longest ``max_tokens``; only each request's own
+tokens count), and vLLM's ``LLM.generate`` when ``--vllm-venv`` names a virtualenv holding it (run in
+that interpreter; never a dependency). Serving (``--serve-rates``): ``pagedmodel serve`` and ``vllm
+serve`` each driven by the same client (``pagedmodel bench serve``) with the mixed workload at each
+Poisson rate: completed, output tokens/s, p50/p99 TTFT and TPOT.
+
+A benchmark, not a test: CPU timings are noisy, so compare the ratios printed by one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+WORDS = ("serving memory block cache token batch request latency kernel scheduler prefix model the a of and to in "
+         "is for with on as by paged attention throughput queue answer question please explain why how what "
+         "when where which city river history science music language number example because").split()
+
+
+@dataclass
+class Req:
+    prompt_ids: list[int]
+    max_tokens: int
+    ignore_eos: bool
+
+
+def _text_ids(tokenizer, rng: random.Random, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer(" " + " ".join(rng.choice(WORDS) for _ in range(n))).input_ids
+    return ids[:n]
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))))
+
+
+def make_workloads(tokenizer, num_mixed: int, seed: int = 0) -> dict[str, list[Req]]:
+    rng = random.Random(seed)
+    uniform = [Req(_text_ids(tokenizer, rng, 24), 64, True) for _ in range(64)]
+    mixed = [Req(_text_ids(tokenizer, rng, _lognormal(rng, 135, 1.0, 8, 1500)), _lognormal(rng, 118, 0.9, 4, 512), True)
+             for _ in range(num_mixed)]
+    system = _text_ids(tokenizer, rng, 256)
+    shared = [Req(system + _text_ids(tokenizer, rng, rng.randint(8, 40)), 48, False) for _ in range(64)]
+    return {"uniform": uniform, "mixed": mixed, "shared": shared}
+
+
+def describe(reqs: list[Req]) -> str:
+    p = sorted(len(r.prompt_ids) for r in reqs)
+    o = sorted(r.max_tokens for r in reqs)
+    return (f"{len(reqs)} requests, prompts {p[0]}-{p[-1]} (median {p[len(p) // 2]}), "
+            f"max_tokens {o[0]}-{o[-1]} (median {o[len(o) // 2]}), {sum(p)} prompt tokens")
+
+
+# ------------------------------------------------------------------ offline engines
+
+def run_ours(model_dir: str, reqs: list[Req], args, prefix_caching: bool) -> dict:
+    from pagedmodel.server.llm import LLM
+    from pagedmodel.server.sampling_params import SamplingParams
+
+    llm = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048,
+              enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager)
+    llm.generate([r.prompt_ids for r in reqs[:2]], SamplingParams(temperature=0, max_tokens=4))   # warm-up
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos) for r in reqs]
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt_ids for r in reqs], params)
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+def step_overhead(model_dir: str, args) -> dict:
+    """Per-step overhead -- scheduler, block manager, input preparation, sampling, detokenization:
+    everything but the model's forward and logits -- in decode steps of 1, 64 and 256 running
+    100-token sequences (an engine of its own, max-num-seqs 256)."""
+    from pagedmodel.server.llm import LLM
+    from pagedmodel.server.sampling_params import SamplingParams
+
+    engine = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=256, max_model_len=2048,
+                 enforce_eager=args.enforce_eager).engine
+    model = engine.runner.model
+    originals = {"forward": model.forward, "compute_logits": model.compute_logits}
+    spent = {"model": 0.0}
+
+    def timed(fn):
+        def run(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            spent["model"] += time.perf_counter() - t
+            return out
+        return run
+
+    for name, fn in originals.items():   # instance attributes shadow the methods; removed again below
+        setattr(model, name, timed(fn))
+    report = {}
+    try:
+        for n in (1, 64, 256):
+            for i in range(n):
+                engine.add_request(f"overhead-{n}-{i}", [1] + [(7 * i + j) % 1000 + 10 for j in range(99)],
+                                   SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+            while any(g.seqs[0].num_output_tokens == 0 for g in engine.requests.values()):
+                engine.step()   # prefill
+            steps, total, spent["model"] = 0, 0.0, 0.0
+            while engine.has_unfinished_requests():
+                t = time.perf_counter()
+                engine.step()
+                total += time.perf_counter() - t
+                steps += 1
+            busy = spent["model"]
+            report[n] = {"step_ms": total / steps * 1e3, "overhead_ms": (total - busy) / steps * 1e3,
+                         "overhead_share": (total - busy) / total}
+    finally:
+        for name in originals:
+            delattr(model, name)
+    return report
+
+
+def run_hf_static(model_dir: str, reqs: list[Req], args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    eos = tok.eos_token_id
+    produced = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(reqs), args.hf_batch_size):
+            chunk = reqs[i:i + args.hf_batch_size]
+            width = max(len(r.prompt_ids) for r in chunk)
+            ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in chunk])
+            mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk])
+            longest = max(r.max_tokens for r in chunk)
+            ignore = all(r.ignore_eos for r in chunk)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=longest, do_sample=False,
+                                 min_new_tokens=longest if ignore else 0, pad_token_id=pad)
+            for r, row in zip(chunk, out[:, width:].tolist()):
+                row = row[:r.max_tokens]
+                if not r.ignore_eos and eos in row:
+                    row = row[:row.index(eos) + 1]
+                produced += len(row)
+    return {"seconds": time.perf_counter() - start, "output_tokens": produced}
+
+
+def run_vllm(venv: str, model_dir: str, reqs: list[Req], args, name: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp, "in.json"), Path(tmp, "out.json")
+        src.write_text(json.dumps({"model": model_dir, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                                   "enforce_eager": args.enforce_eager, "requests": [asdict(r) for r in reqs]}))
+        env = {**os.environ, **vllm_env(args)}
+        proc = subprocess.run([str(Path(venv, "bin", "python")), __file__, "--vllm-worker", str(src), str(dst)],
+                              env=env, capture_output=True, text=True, timeout=args.vllm_timeout)
+        if proc.returncode != 0 or not dst.exists():
+            tail = (proc.stderr or proc.stdout)[-3000:]
+            return {"error": f"vllm worker exited {proc.returncode} on {name}: {tail}"}
+        return json.loads(dst.read_text())
+
+
+def vllm_env(args) -> dict[str, str]:
+    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+            "OMP_NUM_THREADS": str(args.threads), "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def vllm_worker(src: str, dst: str) -> None:
+    """Runs inside the vLLM venv: the same requests through vLLM's offline API."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(src).read_text())
+    llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"], max_model_len=2048,
+              gpu_memory_utilization=0.3, enforce_eager=spec["enforce_eager"])
+    reqs = spec["requests"]
+    llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in reqs[:2]],
+                 SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=r["ignore_eos"]) for r in reqs]
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in reqs], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    Path(dst).write_text(json.dumps({"seconds": elapsed,
+                                     "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}))
+
+
+# ------------------------------------------------------------------ serving
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server at {url} not healthy after {timeout:.0f} s")
+
+
+def serve_and_bench(cmd: list[str], env: dict, port: int, dataset: Path, args, log: Path) -> list[dict]:
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    results = []
+    try:
+        _wait_healthy(url, proc, args.serve_startup_timeout)
+        for rate in args.serve_rates:
+            with tempfile.NamedTemporaryFile(suffix=".json") as res:
+                subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "bench", "serve", "--base-url", url,
+                                "--dataset-path", str(dataset), "--num-prompts", str(args.serve_prompts),
+                                "--request-rate", str(rate), "--percentiles", "50,99", "--no-progress",
+                                "--json", res.name], check=True, capture_output=True, text=True)
+                r = json.loads(Path(res.name).read_text())
+            results.append({"rate": rate, "completed": r["completed"], "num_prompts": r["num_prompts"],
+                            "duration_s": r["duration_s"], "output_tok_s": r["output_throughput"],
+                            "ttft_p50_ms": r["ttft_ms"]["p50"], "ttft_p99_ms": r["ttft_ms"]["p99"],
+                            "tpot_p50_ms": r["tpot_ms"]["p50"], "tpot_p99_ms": r["tpot_ms"]["p99"]})
+            print(f"    rate {rate}: {results[-1]}", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return results
+
+
+def run_serving(model_dir: str, reqs: list[Req], tokenizer, args) -> dict:
+    dataset = Path(tempfile.mkdtemp()) / "mixed.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": tokenizer.decode(r.prompt_ids), "max_tokens": r.max_tokens})
+                               + "\n" for r in reqs))
+    threads = {"OMP_NUM_THREADS": str(args.threads)}
+    out = {}
+    print("  serving: pagedmodel serve", flush=True)
+    ours = [sys.executable, "-m", "pagedmodel.server.cli", "serve", "--model", model_dir, "--port", "8911",
+            "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"]
+    out["ours"] = serve_and_bench(ours, {**os.environ, **threads}, 8911, dataset, args, dataset.with_name("ours.log"))
+    if args.vllm_venv:
+        print("  serving: vllm serve", flush=True)
+        cmd = [str(Path(args.vllm_venv, "bin", "vllm")), "serve", model_dir, "--port", "8912", "--dtype", args.dtype,
+               "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
+               "--served-model-name", "smollm2"]
+        try:
+            out["vllm"] = serve_and_bench(cmd, {**os.environ, **vllm_env(args)}, 8912, dataset, args,
+                                          dataset.with_name("vllm.log"))
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            out["vllm"] = {"error": str(exc)}
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+def report_engine(engine: str, r: dict) -> None:
+    """Prints one engine's result as soon as it is in (a long run may be cut short)."""
+    if "error" in r:
+        print(f"  {engine:10s} ERROR {r['error'][-500:]}", flush=True)
+        return
+    r["tok_s"] = r["output_tokens"] / r["seconds"]
+    print(f"  {engine:10s} {r['tok_s']:8.1f} output tok/s ({r['output_tokens']} tokens, {r['seconds']:.1f} s)", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--vllm-worker":
+        vllm_worker(sys.argv[2], sys.argv[3])
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF model dir (default: prepared SmolLM2-135M-Instruct)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--num-mixed", type=int, default=256)
+    ap.add_argument("--workloads", nargs="+", default=["uniform", "mixed", "shared"])
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--engines", nargs="+", default=["ours", "hf_static", "vllm"], choices=["ours", "hf_static", "vllm"],
+                    help="which to run (vllm also needs --vllm-venv)")
+    ap.add_argument("--enforce-eager", action="store_true", help="for both engines")
+    ap.add_argument("--step-overhead", action="store_true", help="also time our per-step host overhead")
+    ap.add_argument("--vllm-venv", default=None, help="a virtualenv holding vllm (the CPU build)")
+    ap.add_argument("--vllm-timeout", type=float, default=1800)
+    ap.add_argument("--serve-rates", nargs="*", type=float, default=[], help="Poisson rates (inf = all at once)")
+    ap.add_argument("--serve-prompts", type=int, default=64)
+    ap.add_argument("--serve-startup-timeout", type=float, default=900)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from pagedmodel.server.model_store import resolve_model
+
+    torch.set_num_threads(args.threads)
+    model_dir = str(resolve_model(args.model))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    workloads = make_workloads(tok, args.num_mixed)
+    print(f"{time.strftime('%Y-%m-%d %H:%M')} {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+          f"torch threads {args.threads}, {args.dtype}, max-num-seqs {args.max_num_seqs}", flush=True)
+    results: dict = {"args": vars(args), "offline": {}}
+    for name in args.workloads:
+        reqs = workloads[name]
+        print(f"{name}: {describe(reqs)}", flush=True)
+        row = {}
+        for engine in args.engines:
+            if engine == "ours":
+                row[engine] = run_ours(model_dir, reqs, args, prefix_caching=name == "shared")
+            elif engine == "hf_static":
+                row[engine] = run_hf_static(model_dir, reqs, args)
+            elif args.vllm_venv:
+                row[engine] = run_vllm(args.vllm_venv, model_dir, reqs, args, name)
+            else:
+                continue
+            report_engine(engine, row[engine])
+        for engine in ("hf_static", "vllm"):
+            if "tok_s" in row.get(engine, {}) and "tok_s" in row.get("ours", {}):
+                print(f"  ours / {engine}: {row['ours']['tok_s'] / row[engine]['tok_s']:.2f}x", flush=True)
+        results["offline"][name] = row
+    if args.step_overhead:
+        results["step_overhead"] = step_overhead(model_dir, args)
+        for n, o in results["step_overhead"].items():
+            print(f"step overhead at {n:3d} running: {o['overhead_ms']:.1f} of {o['step_ms']:.1f} ms "
+                  f"({o['overhead_share']:.1%})", flush=True)
+    if args.serve_rates:
+        results["serving"] = run_serving(model_dir, workloads["mixed"], tok, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
