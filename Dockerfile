@@ -2,8 +2,8 @@
 #
 # CUDA: PyPI's Linux torch wheels bundle the CUDA runtime (nvidia-* wheels), so a plain Python base is
 # CUDA-capable; the host's NVIDIA container toolkit injects the driver. Triton JIT-compiles a small
-# launcher at run time, and the CPU attention op (kernels/cpu_paged_attention.cpp) is built with g++ and ninja on
-# first use, hence gcc and g++ in the final stage.
+# launcher at run time and the CPU attention op (kernels/cpu_paged_attention.cpp) is built on first use,
+# hence gcc, g++ and ninja in the final stage.
 #
 # Not built in CI: our machines have no container engine (and the build downloads torch + the default
 # model from PyPI). Build with:  docker build -t ghcr.io/pagedmodel/pagedmodel:0.1.0 .
