@@ -20,7 +20,8 @@ def test_kubectl_version_reports_the_real_server(cluster):
     version = json.loads(cluster.kubectl("version", "-o", "json").stdout)
     assert version["serverVersion"]["gitVersion"] == KUBERNETES_VERSION
     assert version["clientVersion"]["gitVersion"] == KUBERNETES_VERSION
-    assert cluster.local.startup_s < 30, f"start-up took {cluster.local.startup_s:.1f}s"
+    # Start-up time is reported, not asserted: tests never assert wall-clock times (e2e/README.md has it).
+    print(f"control plane + node healthy in {cluster.local.startup_s:.1f}s")
 
 
 def test_node_is_ready_with_gpu_capacity_and_a_renewed_lease(cluster):
