@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from .cpu_features import cpu_flags
+
 log = logging.getLogger("pagedmodel.kernels.cpu_op")
 
 OP_ENV = "PAGEDMODEL_CPU_ATTENTION_OP"
@@ -30,20 +32,15 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}   # "op": the loaded op or None, "error": why it is None
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return torch.backends.cpu.get_cpu_capability()
+def _cpu_description() -> str:
+    """What the ``-march=native`` binary depends on: the CPU's flags, or torch's dispatch level."""
+    return " ".join(sorted(cpu_flags())) or torch.backends.cpu.get_cpu_capability()
 
 
 def build_name() -> str:
     """The extension's name: a digest of everything that changes the binary."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_flags().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_description().encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"pagedmodel_cpu_attention_{digest.hexdigest()[:16]}"

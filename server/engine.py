@@ -15,12 +15,12 @@ import torch
 from pagedmodel.kernels import cpu_paged_attention
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import select_backend
+from pagedmodel.kernels.cpu_features import has_native_bf16
 
 from .beam_group import BeamGroup
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
 from .config import ConfigError, EngineArgs
-from .cpu_features import has_native_bf16
 from .detokenizer import detokenize_incrementally, init_offsets
 from .kv_cache import CPU_DEFAULT_KV_BYTES, KVCache, bytes_per_block
 from .model_runner import ModelRunner

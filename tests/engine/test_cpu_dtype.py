@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedmodel.server.cpu_features import cpu_flags, has_native_bf16
+from pagedmodel.kernels.cpu_features import cpu_flags, has_native_bf16
 from pagedmodel.server.engine import _pick_dtype
 
 AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma bmi2\nbugs\t\t: sysret_ss_attrs\n"
