@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from pathlib import Path
 
 import httpx

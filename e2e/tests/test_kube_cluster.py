@@ -6,7 +6,6 @@ import json
 import os
 import time
 
-import pytest
 import yaml
 
 from e2e.kube.build import KUBERNETES_VERSION

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import yaml
 
 from .helpers import wait_until
