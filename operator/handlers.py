@@ -1,4 +1,4 @@
-"""kopf wiring, kept thin: every trigger runs the same reconcile pass (controller.py).
+"""kopf wiring, kept thin: every trigger runs the same reconcile pass (reconcile.py).
 
 create/update/resume react at once to spec changes and operator restarts; a timer re-runs the pass so
 status follows the children (pods becoming ready, crash loops, rollouts) without watching them.
@@ -20,9 +20,9 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from . import names
-from .children import Kube
-from .controller import Memory, reconcile
-from .metrics import http_fetch
+from .kube_client import Kube
+from .reconcile import Memory, reconcile
+from .scrape import http_fetch
 
 
 RETRY_BACKOFF_S = 5.0

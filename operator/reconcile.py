@@ -1,339 +1,197 @@
-"""Pure reconcile: a PagedModel (plus what was observed) -> the child manifests it asks for.
+"""One reconcile pass of a PagedModel: validate, apply children, read them back, compute status.
 
-No I/O here: `desired_state` is a function of its inputs, so it is unit-tested exhaustively and
-re-running it yields byte-identical manifests (the basis of idempotent apply). Children:
-
-- engine Deployment `<name>-engine` running `pagedmodel serve`, RollingUpdate maxSurge 1 /
-  maxUnavailable 0, with a config-hash annotation on the pod template;
-- engine Service `<name>-engine` (what the router discovers) and PodDisruptionBudget;
-- router ServiceAccount/Role/RoleBinding/Deployment `<name>-router`;
-- public Service `<name>`: selects the router when it is enabled, else the engines directly.
+It does I/O only through `Kube` (kube_client.py) and returns the status to write and the events to post,
+so kopf's handlers stay thin and the pass runs in tests against a fake. Never raises for a bad spec:
+that becomes phase Failed with an InvalidSpec event.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 from typing import Any
 
 from . import names
-from .spec import parse_source, with_defaults
-
-MODEL_MOUNT = "/models"
-HF_CACHE_MOUNT = "/var/cache/huggingface"
-# Probe cadence: /health is cheap; readiness reacts within ~15 s, liveness tolerates a minute of stalls.
-STARTUP_PERIOD_S = 5
-READINESS = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
-LIVENESS = {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6, "successThreshold": 1}
-TERMINATION_GRACE_S = 60      # > serve's default --shutdown-timeout (30 s) so in-flight requests finish
-NON_ROOT_UID = 1000
-# Engine fields the tuner may override; anything else in its annotation is ignored.
-TUNABLE = frozenset({"maxNumSeqs", "blockSize", "maxNumBatchedTokens", "enablePrefixCaching"})
+from .kube_client import Kube
+from .scrape import EngineSample, Fetch, aggregate, observe, parse_router_queue, ready_pods, scrape
+from .desired_state import Observed, desired_state, effective_engine, engine_replicas, service_url
+from .scaling import ScrapeResult, epoch, plan, scrape_due
+from .spec import parse_source, validate, with_defaults
+from .status import compute_status
 
 
 @dataclass(frozen=True)
-class Observed:
-    """What the operator saw in the cluster that the desired state depends on.
-
-    engine_replicas: the autoscaler's current choice (status.desiredReplicas) when autoscaling is on.
-    tuned: engine overrides from the tuner (camelCase spec.engine keys), applied over the spec.
-    router_enabled: whether `pagedmodel router` exists in this build; without it the public Service
-    selects the engines directly and the router Deployment is kept at 0 replicas.
-    bind_host: what engines and routers listen on: 0.0.0.0 on real clusters (kubectl port-forward dials
-    127.0.0.1 inside the pod), "$(POD_IP)" where pods share one network namespace (the e2e kubelet).
-    external_autoscaler: an HPA scales the PagedModel through its scale subresource, so spec.replicas
-    (what it writes) is the count, whatever spec.autoscaling says.
-    """
-
-    engine_replicas: int | None = None
-    tuned: dict[str, Any] = field(default_factory=dict)
-    router_enabled: bool = False
-    bind_host: str = "0.0.0.0"
-    external_autoscaler: bool = False
+class Event:
+    type: str          # Normal | Warning
+    reason: str
+    message: str
 
 
-def owner_reference(pm: dict[str, Any]) -> dict[str, Any]:
-    meta = pm["metadata"]
-    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": meta["name"], "uid": meta["uid"],
-            "controller": True, "blockOwnerDeletion": True}
+@dataclass
+class Outcome:
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+    annotations: dict[str, str] = field(default_factory=dict)    # to set on the PagedModel (tuner overrides)
 
 
-def effective_engine(spec: dict[str, Any], observed: Observed) -> dict[str, Any]:
-    """spec.engine with the tuner's overrides on top, and device resolved against the GPU count."""
-    engine = dict(spec["engine"])
-    engine.update({k: v for k, v in observed.tuned.items() if k in TUNABLE})
-    engine["extraArgs"] = list(engine.get("extraArgs") or [])
-    if engine.get("device", "auto") == "auto":
-        engine["device"] = "cuda" if spec["resources"]["gpus"] > 0 else "cpu"
-    return engine
+@dataclass
+class Memory:
+    """What one operator process keeps between passes that need not survive it: per-pod counter
+    baselines (a restart loses one interval of counter increments, nothing else)."""
+
+    baselines: dict[str, dict[str, EngineSample]] = field(default_factory=dict)    # PagedModel uid -> pod -> sample
 
 
-def engine_args(pm: dict[str, Any], spec: dict[str, Any], engine: dict[str, Any],
-                observed: Observed | None = None) -> list[str]:
-    """`pagedmodel serve` flags, in a fixed order so equal specs give equal pod templates."""
-    observed = observed or Observed()
+def now_iso() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def observed_from(pm: dict[str, Any], router_enabled: bool, bind_host: str = "0.0.0.0") -> Observed:
+    """What the desired state depends on besides the spec: tuner overrides and the autoscaler's count."""
+    meta, status = pm.get("metadata") or {}, pm.get("status") or {}
+    tuned: dict[str, Any] = {}
+    raw = (meta.get("annotations") or {}).get(names.ANNOTATION_TUNED)
+    if raw:
+        try:
+            parsed = json.loads(raw)
+            tuned = parsed if isinstance(parsed, dict) else {}
+        except ValueError:
+            tuned = {}     # a garbled annotation must not stop serving; the spec alone still applies
+    auto = ((pm.get("spec") or {}).get("autoscaling") or {}).get("enabled")
+    replicas = status.get("desiredReplicas") if auto else None
+    return Observed(engine_replicas=replicas if isinstance(replicas, int) else None, tuned=tuned,
+                    router_enabled=router_enabled, bind_host=bind_host)
+
+
+def missing_dependencies(kube: Kube, namespace: str, spec: dict[str, Any]) -> list[str]:
+    """Objects the spec names that do not exist: the pods could never start, so say which."""
+    missing = []
     source = parse_source(spec["model"]["source"])
-    if source.scheme == "pvc":
-        model = f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
-    else:
-        model = source.name            # builtin name or hub id: `serve --model` resolves both
-    served = spec["model"].get("servedName") or pm["metadata"]["name"]
-    args = ["--model", model, "--served-model-name", served,
-            "--host", observed.bind_host, "--port", str(names.ENGINE_PORT),
-            "--block-size", str(engine["blockSize"]), "--max-num-seqs", str(engine["maxNumSeqs"])]
-    for key, flag in (("maxModelLen", "--max-model-len"), ("maxNumBatchedTokens", "--max-num-batched-tokens")):
-        if engine.get(key) is not None:
-            args += [flag, str(engine[key])]
-    if engine["device"] == "cpu":
-        args += ["--kv-cache-memory", str(engine["kvCacheMemoryBytes"])] if engine.get("kvCacheMemoryBytes") else []
-    else:
-        args += ["--gpu-memory-utilization", _num(engine["gpuMemoryUtilization"])]
-    args += ["--swap-space", _num(engine["swapSpaceGiB"]), "--dtype", engine["dtype"], "--device", engine["device"]]
-    if engine.get("preemptionMode"):
-        args += ["--preemption-mode", engine["preemptionMode"]]
-    if engine.get("maxQueueLength") is not None:
-        args += ["--max-queue-len", str(engine["maxQueueLength"])]
-    if engine["enablePrefixCaching"]:
-        args.append("--enable-prefix-caching")
-    return args + list(engine.get("extraArgs") or [])
+    if source.scheme == "pvc" and not kube.exists(namespace, "persistentvolumeclaims", source.name):
+        missing.append(f"PersistentVolumeClaim {source.name!r} (spec.model.source) not found")
+    for secret in spec.get("imagePullSecrets") or []:
+        if not kube.exists(namespace, "secrets", secret):
+            missing.append(f"Secret {secret!r} (spec.imagePullSecrets) not found")
+    return missing
 
 
-def _num(value: float) -> str:
-    """0.9 -> '0.9', 4.0 -> '4': stable text for floats that YAML may hand over as ints or floats."""
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+def _engine_change(previous: dict[str, Any] | None, engine: dict[str, Any]) -> str:
+    before = {}
+    if previous:
+        try:
+            before = json.loads((previous.get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_ENGINE)
+                                or "{}")
+        except ValueError:
+            before = {}
+    changes = [f"{k} {before.get(k)!r} -> {engine.get(k)!r}" for k in sorted(set(before) | set(engine))
+               if before.get(k) != engine.get(k)]
+    return ", ".join(changes)
 
 
-def config_hash(payload: Any) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None,
+              fetch: Fetch | None = None, bind_host: str = "0.0.0.0", memory: Memory | None = None,
+              clock: float | None = None) -> Outcome:
+    """One pass. With `fetch` (URL -> text) the ready engines are scraped when spec.autoscaling.intervalSeconds
+    has passed since the last scrape, and the autoscaler and tuner decide on the fresh observation."""
+    clock = clock if clock is not None else (epoch(now) if now else time.time())
+    now = now or now_iso()
+    memory = memory if memory is not None else Memory()
+    meta = pm["metadata"]
+    model, namespace = meta["name"], meta["namespace"]
+    old_status = pm.get("status") or {}
+    events: list[Event] = []
+    selector = names.selector_string(model, names.ENGINE)
+    spec = with_defaults(pm.get("spec"))
+    errors = [str(e) for e in validate(spec)]
+    if errors:
+        status = compute_status(pm, desired_replicas=0, selector=selector, url="", engine=None,
+                                deployment=None, pods=[], invalid=errors, now=now)
+        if old_status.get("message") != status["message"] or old_status.get("phase") != "Failed":
+            events.append(Event("Warning", "InvalidSpec", status["message"]))
+        return Outcome(status, events)
 
+    observed = observed_from(pm, router_enabled, bind_host)
+    blocked = missing_dependencies(kube, namespace, spec)
+    engine_path = kube.path("Deployment", namespace, names.engine_name(model))
+    before = kube.get(engine_path)
+    pods = kube.pods(namespace, selector)
 
-def engine_replicas(spec: dict[str, Any], observed: Observed) -> int:
-    auto = spec["autoscaling"]
-    if not auto["enabled"] or observed.external_autoscaler:
-        return int(spec["replicas"])
-    current = observed.engine_replicas if observed.engine_replicas is not None else auto["minReplicas"]
-    return max(auto["minReplicas"], min(auto["maxReplicas"], current))
+    # ---- scrape, autoscale, tune: decide the replica count and overrides before applying the children
+    result = None
+    if fetch is not None and scrape_due(spec, old_status, clock):
+        ready = ready_pods(pods)
+        scrapes = scrape(ready, names.ENGINE_PORT, fetch)
+        queue = None
+        if observed.router_enabled:
+            routers = ready_pods(kube.pods(namespace, names.selector_string(model, names.ROUTER)))
+            answers = [r.sample for r in scrape(routers, names.ENGINE_PORT, fetch, parse=parse_router_queue)
+                       if r.sample is not None]
+            queue = sum(answers) if answers else None
+        observation, memory.baselines[meta.get("uid", model)] = observe(
+            scrapes, memory.baselines.get(meta.get("uid", model), {}), clock, router_queue=queue)
+        result = ScrapeResult(len(ready), scrapes, observation)
+    # An HPA matters where it decides the count (autoscaling on) or what the conditions say (a scrape pass).
+    external_hpa = (kube.external_autoscaler(namespace, model)
+                    if spec["autoscaling"]["enabled"] or result is not None else None)
+    observed = replace(observed, external_autoscaler=external_hpa is not None)
+    current = engine_replicas(spec, observed)
+    scaling = plan(spec, old_status, result, current=current, engine=effective_engine(spec, observed),
+                   tuned=observed.tuned, now=clock, generation=int(meta.get("generation") or 0),
+                   rolling_out=_rolling_out(before), external_hpa=external_hpa)
+    annotations = {}
+    if scaling.tuned != observed.tuned:
+        annotations[names.ANNOTATION_TUNED] = json.dumps(scaling.tuned, sort_keys=True)
+    observed = replace(observed, tuned=scaling.tuned, engine_replicas=(
+        scaling.desired_replicas if scaling.desired_replicas is not None else observed.engine_replicas))
+    events += [Event(*e) for e in scaling.events]
 
-
-def _resources(res: dict[str, Any]) -> dict[str, Any]:
-    amounts: dict[str, Any] = {}
-    for key in ("cpu", "memory"):
-        if res.get(key) not in (None, ""):
-            amounts[key] = str(res[key])
-    if res["gpus"] > 0:
-        amounts[res["gpuResourceName"]] = str(res["gpus"])
-    # Requests equal limits: a serving replica must not be squeezed by neighbours (Guaranteed QoS with cpu+memory).
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
-
-
-def _pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID, "fsGroup": NON_ROOT_UID,
-            "seccompProfile": {"type": "RuntimeDefault"}}
-
-
-def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
-
-
-def _scheduling(spec: dict[str, Any]) -> dict[str, Any]:
-    sched = spec.get("scheduling") or {}
-    out: dict[str, Any] = {}
-    if sched.get("nodeSelector"):
-        out["nodeSelector"] = dict(sched["nodeSelector"])
-    if sched.get("tolerations"):
-        out["tolerations"] = [dict(t) for t in sched["tolerations"]]
-    if sched.get("priorityClassName"):
-        out["priorityClassName"] = sched["priorityClassName"]
-    if spec.get("imagePullSecrets"):
-        out["imagePullSecrets"] = [{"name": s} for s in spec["imagePullSecrets"]]
-    return out
-
-
-def _metadata(pm: dict[str, Any], name: str, component: str) -> dict[str, Any]:
-    return {"name": name, "namespace": pm["metadata"]["namespace"],
-            "labels": names.labels(pm["metadata"]["name"], component), "ownerReferences": [owner_reference(pm)]}
-
-
-def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) -> dict[str, Any]:
-    model = pm["metadata"]["name"]
     engine = effective_engine(spec, observed)
-    args = engine_args(pm, spec, engine, observed)
-    source = parse_source(spec["model"]["source"])
-    http = {"path": "/health", "port": "http"}
-    volumes = [{"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    if source.scheme == "hf":
-        # The root filesystem is read-only: hub downloads go to a writable scratch volume.
-        env.append({"name": "HF_HOME", "value": HF_CACHE_MOUNT})
-        volumes.append({"name": "hf-cache", "emptyDir": {}})
-        mounts.append({"name": "hf-cache", "mountPath": HF_CACHE_MOUNT})
-    elif source.scheme == "pvc":
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source.name, "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-    container: dict[str, Any] = {
-        "name": "engine",
-        "image": spec["image"],
-        "imagePullPolicy": spec["imagePullPolicy"],
-        "command": ["pagedmodel", "serve"],
-        "args": args,
-        "env": env,
-        "ports": [{"name": "http", "containerPort": names.ENGINE_PORT, "protocol": "TCP"}],
-        "startupProbe": {"httpGet": http, "periodSeconds": STARTUP_PERIOD_S, "timeoutSeconds": 3,
-                         "failureThreshold": math.ceil(spec["probes"]["startupTimeoutSeconds"] / STARTUP_PERIOD_S)},
-        "readinessProbe": {"httpGet": http, **READINESS},
-        "livenessProbe": {"httpGet": http, **LIVENESS},
-        "securityContext": _container_security(),
-        "volumeMounts": mounts,
-    }
-    resources = _resources(spec["resources"])
-    if resources:
-        container["resources"] = resources
-    template_hash = config_hash({"image": spec["image"], "args": args, "resources": resources})
-    annotations = {names.ANNOTATION_CONFIG_HASH: template_hash, "prometheus.io/scrape": "true",
-                   "prometheus.io/port": str(names.ENGINE_PORT), "prometheus.io/path": "/metrics"}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {**_metadata(pm, names.engine_name(model), names.ENGINE),
-                     "annotations": {names.ANNOTATION_ENGINE: json.dumps(engine, sort_keys=True)}},
-        "spec": {
-            "replicas": engine_replicas(spec, observed),
-            "selector": {"matchLabels": names.selector_labels(model, names.ENGINE)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "revisionHistoryLimit": 5,
-            "template": {
-                "metadata": {"labels": names.labels(model, names.ENGINE), "annotations": annotations},
-                "spec": {
-                    "automountServiceAccountToken": False,     # engines never call the API server
-                    "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
-                    "securityContext": _pod_security(),
-                    "containers": [container],
-                    "volumes": volumes,
-                    **_scheduling(spec),
-                },
-            },
-        },
-    }
+    applied = [kube.apply(m) for m in desired_state(pm, observed)]
+    created = [f"{a.kind}/{a.name}" for a in applied if a.action == "created"]
+    updated = [a for a in applied if a.action == "updated"]
+    if created:
+        events.append(Event("Normal", "Created", "created " + ", ".join(created)))
+    if updated:
+        events.append(Event("Normal", "Updated", "updated " + ", ".join(f"{a.kind}/{a.name}" for a in updated)))
+    tuner_said = any(e.reason == "EngineArgsChanged" for e in events)
+    for a in updated:
+        if a.kind == "Deployment" and a.name == names.engine_name(model) and not tuner_said:
+            change = _engine_change(a.previous, engine)
+            if change:
+                events.append(Event("Normal", "EngineArgsChanged", f"rolling engines: {change}"))
+
+    deployment = kube.get(engine_path)
+    status = compute_status(pm, desired_replicas=engine_replicas(spec, observed), selector=selector,
+                            url=service_url(pm), engine={k: v for k, v in sorted(engine.items())},
+                            deployment=deployment, pods=pods, blocked=blocked, now=now)
+    status["conditions"] += scaling.conditions
+    status.update(scaling.status)
+    for key in ("lastScale", "scaleHistory", "autoscaler", "tuning"):
+        if key not in status and key in old_status:
+            status[key] = old_status[key]
+    if result is not None:
+        samples = [s.sample for s in result.scrapes if s.sample is not None]
+        metrics = aggregate(samples, old_status.get("metrics"), now)
+        if metrics is not None:
+            status["metrics"] = metrics
+    elif old_status.get("metrics"):
+        stale = any(c["type"] == "MetricsAvailable" and c["status"] == "False" for c in scaling.conditions)
+        status["metrics"] = {**old_status["metrics"], "stale": stale or bool(old_status["metrics"].get("stale"))}
+    if blocked and (old_status.get("message") != status["message"]):
+        events.append(Event("Warning", "MissingDependency", status["message"]))
+    if old_status.get("phase") != status["phase"] and not blocked:
+        kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
+        events.append(Event(kind, status["phase"], status["message"]))
+    return Outcome(status, events, annotations)
 
 
-def engine_service(pm: dict[str, Any]) -> dict[str, Any]:
-    model = pm["metadata"]["name"]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(pm, names.engine_name(model), names.ENGINE),
-            "spec": {"type": "ClusterIP", "selector": names.selector_labels(model, names.ENGINE),
-                     "ports": [{"name": "http", "port": names.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}]}}
-
-
-def engine_pdb(pm: dict[str, Any]) -> dict[str, Any]:
-    model = pm["metadata"]["name"]
-    # One engine at a time may be evicted: drains proceed, capacity never drops by more than a replica.
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _metadata(pm, names.engine_name(model), names.ENGINE),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(model, names.ENGINE)}}}
-
-
-def router_args(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) -> list[str]:
-    router = spec["router"]
-    model = pm["metadata"]["name"]
-    args = ["--host", observed.bind_host, "--port", str(names.ENGINE_PORT),
-            "--discover", names.selector_string(model, names.ENGINE), "--strategy", router["strategy"],
-            "--max-queue-len", str(router["maxQueueLength"]), "--queue-timeout", _num(router["queueTimeoutSeconds"])]
-    if pm["metadata"].get("namespace"):  # discover engines in the model's namespace, whatever the pod can infer
-        args += ["--namespace", pm["metadata"]["namespace"]]
-    if router.get("rateLimit"):
-        args += ["--rate-limit", _num(router["rateLimit"]["requestsPerSecond"])]
-        if router["rateLimit"].get("burst") is not None:
-            args += ["--burst", str(router["rateLimit"]["burst"])]
-    per_client = router.get("perClientRateLimit")
-    if per_client:
-        args += ["--client-rate-limit", _num(per_client["requestsPerSecond"])]
-        if per_client.get("burst") is not None:
-            args += ["--client-burst", str(per_client["burst"])]
-        if per_client.get("header"):
-            args += ["--client-header", per_client["header"]]
-    return args
-
-
-def router_rbac(pm: dict[str, Any]) -> list[dict[str, Any]]:
-    """The router discovers engine pods through the API: read-only access to pods and endpoints, nothing else."""
-    model = pm["metadata"]["name"]
-    name = names.router_name(model)
-    meta = _metadata(pm, name, names.ROUTER)
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": True},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-         "rules": [{"apiGroups": [""], "resources": ["pods", "endpoints"], "verbs": ["get", "list", "watch"]},
-                   {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pm["metadata"]["namespace"]}]},
-    ]
-
-
-def router_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) -> dict[str, Any]:
-    model = pm["metadata"]["name"]
-    http = {"path": "/health", "port": "http"}
-    container = {
-        "name": "router", "image": spec["image"], "imagePullPolicy": spec["imagePullPolicy"],
-        "command": ["pagedmodel", "router"], "args": router_args(pm, spec, observed),
-        "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-        "ports": [{"name": "http", "containerPort": names.ENGINE_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"httpGet": http, **READINESS},
-        "livenessProbe": {"httpGet": http, **LIVENESS},
-        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
-        "securityContext": _container_security(),
-    }
-    return {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _metadata(pm, names.router_name(model), names.ROUTER),
-        "spec": {
-            "replicas": spec["router"]["replicas"] if observed.router_enabled else 0,
-            "selector": {"matchLabels": names.selector_labels(model, names.ROUTER)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "revisionHistoryLimit": 5,
-            "template": {
-                "metadata": {"labels": names.labels(model, names.ROUTER),
-                             "annotations": {"prometheus.io/scrape": "true",
-                                             "prometheus.io/port": str(names.ENGINE_PORT),
-                                             "prometheus.io/path": "/metrics"}},
-                "spec": {"serviceAccountName": names.router_name(model), "enableServiceLinks": False,
-                         "securityContext": _pod_security(), "containers": [container],
-                         **({"imagePullSecrets": [{"name": s} for s in spec["imagePullSecrets"]]}
-                            if spec.get("imagePullSecrets") else {})},
-            },
-        },
-    }
-
-
-def public_service(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) -> dict[str, Any]:
-    model = pm["metadata"]["name"]
-    target = names.ROUTER if observed.router_enabled else names.ENGINE
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _metadata(pm, names.public_service_name(model), target),
-            "spec": {"type": spec["service"]["type"], "selector": names.selector_labels(model, target),
-                     "ports": [{"name": "http", "port": spec["service"]["port"], "targetPort": "http",
-                                "protocol": "TCP"}]}}
-
-
-def desired_state(pm: dict[str, Any], observed: Observed | None = None) -> list[dict[str, Any]]:
-    """Every child manifest of a (valid) PagedModel, in apply order: RBAC, engines, router, Services, PDB."""
-    observed = observed or Observed()
-    spec = with_defaults(pm.get("spec"))
-    return [
-        *router_rbac(pm),
-        engine_deployment(pm, spec, observed),
-        engine_service(pm),
-        router_deployment(pm, spec, observed),
-        public_service(pm, spec, observed),
-        engine_pdb(pm),
-    ]
-
-
-def service_url(pm: dict[str, Any]) -> str:
-    spec = with_defaults(pm.get("spec"))
-    meta = pm["metadata"]
-    port = spec["service"]["port"]
-    return f"http://{names.public_service_name(meta['name'])}.{meta['namespace']}.svc:{port}/v1"
+def _rolling_out(deployment: dict[str, Any] | None) -> bool:
+    """The engine Deployment is still converging on its template or replica count."""
+    if deployment is None:
+        return True
+    spec, st = deployment.get("spec") or {}, deployment.get("status") or {}
+    want = int(spec.get("replicas") or 0)
+    return (int(st.get("observedGeneration") or 0) < int((deployment.get("metadata") or {}).get("generation") or 0)
+            or int(st.get("updatedReplicas") or 0) < want or int(st.get("readyReplicas") or 0) < want
+            or int(st.get("replicas") or 0) > want)

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .autoscaler import AutoscalerState, AutoscalingPolicy, decide, trim
-from .metrics import PodScrape
+from .scrape import PodScrape
 from .observation import Observation
 from .status import condition
 from .tuner import TunerState, TuningPolicy, tune

@@ -82,8 +82,8 @@ def test_rbac_is_least_privilege():
     assert verbs[("pagedmodel.io", "pagedmodels/status")] == {"get", "patch"}
     assert verbs[("", "events")] == {"create"}
     assert verbs[("autoscaling", "horizontalpodautoscalers")] == {"list"}
-    # Every kind the operator applies is covered (children.PATHS is the operator's write list).
-    from pagedmodel.operator.children import PATHS
+    # Every kind the operator applies is covered (kube_client.PATHS is the operator's write list).
+    from pagedmodel.operator.kube_client import PATHS
     for kind, (prefix, plural) in PATHS.items():
         group = "" if prefix == "/api/v1" else prefix.split("/")[2]
         assert verbs[(group, plural)] == {"get", "create", "patch"}, kind

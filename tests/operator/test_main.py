@@ -5,7 +5,7 @@ import kopf
 import pytest
 
 from pagedmodel.operator import main
-from pagedmodel.server.cli import build_parser
+from pagedmodel.cli import build_parser
 
 
 def run_with(monkeypatch, argv: list[str]) -> dict:

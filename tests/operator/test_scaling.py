@@ -1,4 +1,4 @@
-"""The scaling pass through controller.reconcile: scrapes become status, conditions, events, replica counts
+"""The scaling pass through reconcile.reconcile: scrapes become status, conditions, events, replica counts
 and tuner overrides; the state it needs survives a restart because it lives in status."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 from typing import Any, Callable
 
 from pagedmodel.operator import names
-from pagedmodel.operator.controller import Memory, reconcile
+from pagedmodel.operator.reconcile import Memory, reconcile
 from pagedmodel.operator.scaling import iso
 
 from pm_factory import make_pm
-from test_controller import FakeKube
+from test_reconcile import FakeKube
 
 T0 = 1_800_000_000.0
 AUTO = {"model": {"source": "builtin://smollm2"}, "engine": {"maxNumSeqs": 4, "device": "cpu"},

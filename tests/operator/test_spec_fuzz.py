@@ -6,7 +6,7 @@ import copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedmodel.operator.reconcile import Observed, desired_state
+from pagedmodel.operator.desired_state import Observed, desired_state
 from pagedmodel.operator.spec import DEFAULTS, validate, with_defaults
 
 from pm_factory import make_pm

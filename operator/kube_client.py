@@ -19,7 +19,7 @@ from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from . import names
-from .reconcile import config_hash
+from .desired_state import config_hash
 
 ANNOTATION_APPLIED = "pagedmodel.io/applied-hash"
 FIELD_MANAGER = "pagedmodel-operator"

@@ -1,4 +1,4 @@
-"""metrics.py: engine gauges parsed from Prometheus text, aggregated across replicas, stale when none answer."""
+"""scrape.py: engine gauges parsed from Prometheus text, aggregated across replicas, stale when none answer."""
 from __future__ import annotations
 
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pagedmodel.operator.metrics import (EngineSample, PodScrape, aggregate, observe, parse_engine_metrics,
+from pagedmodel.operator.scrape import (EngineSample, PodScrape, aggregate, observe, parse_engine_metrics,
                                          ready_pods, scrape)
 
 TEXT = """# HELP vllm:kv_cache_usage_perc Share of KV cache blocks in use (0-1).
