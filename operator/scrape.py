@@ -11,23 +11,23 @@ import concurrent.futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from prometheus_client.parser import text_string_to_metric_families
+from pagedmodel import metrics_contract as mc
 
 from .observation import Observation
 
-KV_USAGE = "vllm:kv_cache_usage_perc"
-WAITING = "vllm:num_requests_waiting"
-RUNNING = "vllm:num_requests_running"
+KV_USAGE = mc.KV_CACHE_USAGE.name
+WAITING = mc.NUM_REQUESTS_WAITING.name
+RUNNING = mc.NUM_REQUESTS_RUNNING.name
 REQUIRED = (KV_USAGE, WAITING, RUNNING)
 # sample name -> EngineSample field, for what is optional (older engines or other servers lack them)
 OPTIONAL = {
-    "pagedmodel:max_num_seqs": "max_num_seqs",
-    "pagedmodel:block_size": "block_size",
-    "vllm:num_preemptions_total": "preemptions_total",
-    "pagedmodel:num_swap_outs_total": "swap_outs_total",
-    "vllm:request_prompt_tokens_count": "finished_total",
-    "vllm:request_prompt_tokens_sum": "prompt_tokens_total",
-    "vllm:request_generation_tokens_sum": "generation_tokens_total",
+    mc.MAX_NUM_SEQS.name: "max_num_seqs",
+    mc.BLOCK_SIZE.name: "block_size",
+    mc.NUM_PREEMPTIONS.series()[0]: "preemptions_total",
+    mc.NUM_SWAP_OUTS.series()[0]: "swap_outs_total",
+    mc.REQUEST_PROMPT_TOKENS.name + "_count": "finished_total",
+    mc.REQUEST_PROMPT_TOKENS.name + "_sum": "prompt_tokens_total",
+    mc.REQUEST_GENERATION_TOKENS.name + "_sum": "generation_tokens_total",
 }
 COUNTERS = ("preemptions_total", "swap_outs_total", "finished_total", "prompt_tokens_total", "generation_tokens_total")
 SCRAPE_TIMEOUT_S = 2.0
@@ -59,12 +59,7 @@ class PodScrape:
 
 def parse_engine_metrics(text: str) -> EngineSample:
     """One engine's /metrics text (values summed over label sets); ValueError if a load gauge is absent."""
-    values: dict[str, float] = {}
-    wanted = set(REQUIRED) | set(OPTIONAL)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    values = mc.sums(text, [*REQUIRED, *OPTIONAL])
     missing = [n for n in REQUIRED if n not in values]
     if missing:
         raise ValueError(f"metrics lack {', '.join(missing)}")
@@ -75,16 +70,15 @@ def parse_engine_metrics(text: str) -> EngineSample:
     return EngineSample(min(1.0, max(0.0, values[KV_USAGE])), int(values[WAITING]), int(values[RUNNING]), **extra)
 
 
-ROUTER_QUEUE = "pagedmodel_router_queue_length"
+ROUTER_QUEUE = mc.ROUTER_QUEUE_LENGTH.name
 
 
 def parse_router_queue(text: str) -> int:
     """Requests a router holds in its queue (waiting for an engine slot or for any engine at all)."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == ROUTER_QUEUE:
-                return int(sample.value)
-    raise ValueError(f"metrics lack {ROUTER_QUEUE}")
+    values = mc.sums(text, [ROUTER_QUEUE])
+    if ROUTER_QUEUE not in values:
+        raise ValueError(f"metrics lack {ROUTER_QUEUE}")
+    return int(values[ROUTER_QUEUE])
 
 
 def aggregate(samples: list[EngineSample], previous: dict[str, Any] | None, now: str) -> dict[str, Any] | None:
