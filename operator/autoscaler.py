@@ -177,6 +177,7 @@ class ScaleDecision:
                          # only when `current` lies outside [min, max] and is clamped
     state: AutoscalerState
     load_ratio: float | None = None  # demand / answering engines over the stable window (None when frozen)
+    cause: str = "steady"            # one of CAUSES: the reason as a metric label
 
 
 def trim(window: Sequence[Observation], policy: AutoscalingPolicy, now: float) -> list[Observation]:
@@ -212,6 +213,7 @@ class _Load:
     waiting_per_engine: float
     scrapes: int
     idle: bool               # no request ran, waited or finished in the whole window
+    kv_leads: bool = True    # the KV signal's demand is at least the queue's
 
 
 def _load(obs: Sequence[Observation], policy: AutoscalingPolicy, *, count_waiting: bool = True) -> _Load:
@@ -226,7 +228,8 @@ def _load(obs: Sequence[Observation], policy: AutoscalingPolicy, *, count_waitin
     return _Load(demand=demand, ratio=demand / engines, engines=engines,
                  kv=sum(o.kv_cache_usage for o in obs) / n,
                  waiting_per_engine=sum(o.waiting_per_engine for o in obs) / n, scrapes=n,
-                 idle=all(o.running == 0 and o.waiting == 0 and o.finished == 0 for o in obs))
+                 idle=all(o.running == 0 and o.waiting == 0 and o.finished == 0 for o in obs),
+                 kv_leads=kv_demand >= wait_demand)
 
 
 def _describe(load: _Load, policy: AutoscalingPolicy) -> str:
@@ -261,20 +264,53 @@ def _ceil(x: float) -> int:
     return math.ceil(x - 1e-9)
 
 
-def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: int, state: AutoscalerState,
-           now: float, *, stale: bool = False) -> ScaleDecision:
-    """Desired replicas from the window; the rule and its reasons are in docs/autoscaling.md.
+# Why a pass decided what it did, as a label value from a fixed set (the operator's metrics count these).
+CAUSES = ("kv_cache", "waiting", "idle", "bounds", "stabilizing", "no_metrics", "steady")
 
-    `current` is the replica count the operator asks for now; `window` the recent observations
-    (any order; ones outside the stable window are ignored); `state` what the previous pass returned.
-    Deterministic: the same inputs give the same decision, so a restarted operator that re-runs a pass
-    with the persisted state does not scale twice.
-    """
-    if isinstance(current, bool) or not isinstance(current, int) or current < 0:
-        raise ValueError(f"current replicas must be an integer >= 0, not {current!r}")
-    if not _finite(now):
-        raise ValueError(f"now must be a finite number, not {now!r}")
 
+@dataclass(frozen=True)
+class _Carried:
+    """The persisted state that is still valid at `now`."""
+
+    recs: list[tuple[float, int]]
+    panic_until: float | None
+    last_scale: float | None
+
+
+@dataclass(frozen=True)
+class _Signals:
+    """Which observations count, and whether the queue is one of the signals this pass."""
+
+    usable: list[Observation]
+    count_waiting: bool
+    note: str | None
+
+
+@dataclass(frozen=True)
+class _Panic:
+    newest: _Load            # the panic window's load
+    until: float | None      # panic end; None: not panicking
+    note: str | None
+
+
+@dataclass(frozen=True)
+class _Recommendation:
+    wish: int                # what the load asks for, in replicas, before stabilization and bounds
+    rec: int                 # what this pass records (the wish, unless pods asked for are still starting)
+    note: str | None
+
+
+@dataclass(frozen=True)
+class _Step:
+    """The recommendation after the stabilization windows and the per-step limits."""
+
+    desired: int
+    recs: list[tuple[float, int]]
+    since: float
+    note: str | None
+
+
+def _carry(policy: AutoscalingPolicy, state: AutoscalerState, now: float) -> _Carried:
     # State from the future (a clock stepped back, a restore) cannot be trusted to be in any window.
     horizon = now - policy.state_horizon_s()
     # One recommendation per time (the last wins), as from_json would read it back.
@@ -282,76 +318,87 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
     panic_until = state.panic_until if state.panic_until is not None and state.panic_until > now else None
     if panic_until is not None:
         panic_until = min(panic_until, now + policy.panic_hold)
-    last_scale = state.last_scale_time
+    return _Carried(recs, panic_until, state.last_scale_time)
 
-    def no_decision(why: str) -> ScaleDecision:
-        kept = AutoscalerState(tuple(sorted(recs)), panic_until, last_scale, state.history_since,
-                               state.last_scale_up_time)
-        bounded = _clamp(current, policy)
-        if bounded != current:
-            # The spec's bounds need no metrics: a raised minReplicas must bring the model up.
-            bound = "minReplicas" if bounded > current else "maxReplicas"
-            return ScaleDecision(bounded, f"{bound} {bounded} ({why}): {current} -> {bounded}", None,
-                                 panic=False, frozen=False, state=replace(
-                                     kept, last_scale_time=now,
-                                     last_scale_up_time=now if bounded > current else kept.last_scale_up_time))
-        return ScaleDecision(current, f"{why}; keeping {current} replica{'s' if current != 1 else ''}", None,
-                             panic=panic_until is not None, frozen=True, state=kept)
+
+def _no_decision(why: str, cause: str, policy: AutoscalingPolicy, current: int, carried: _Carried,
+                 state: AutoscalerState, now: float) -> ScaleDecision:
+    kept = AutoscalerState(tuple(sorted(carried.recs)), carried.panic_until, carried.last_scale,
+                           state.history_since, state.last_scale_up_time)
+    bounded = _clamp(current, policy)
+    if bounded != current:
+        # The spec's bounds need no metrics: a raised minReplicas must bring the model up.
+        bound = "minReplicas" if bounded > current else "maxReplicas"
+        return ScaleDecision(bounded, f"{bound} {bounded} ({why}): {current} -> {bounded}", None,
+                             panic=False, frozen=False, cause="bounds", state=replace(
+                                 kept, last_scale_time=now,
+                                 last_scale_up_time=now if bounded > current else kept.last_scale_up_time))
+    return ScaleDecision(current, f"{why}; keeping {current} replica{'s' if current != 1 else ''}", None,
+                         panic=carried.panic_until is not None, frozen=True, cause=cause, state=kept)
+
+
+def _gate(policy: AutoscalingPolicy, window: Sequence[Observation], current: int, carried: _Carried,
+          state: AutoscalerState, now: float, stale: bool) -> ScaleDecision | list[Observation]:
+    """The observations to decide on, or the decision when there are none fit to decide on."""
+    def no(why: str, cause: str = "no_metrics") -> ScaleDecision:
+        return _no_decision(why, cause, policy, current, carried, state, now)
 
     if stale:
-        return no_decision("metrics stale: no scaling on stale data")
+        return no("metrics stale: no scaling on stale data")
     if current == 0:
         # No engine exists to report load; the router holds requests in its queue meanwhile (it waits for
         # an upstream instead of failing), and that queue is the one signal there is.
         newest = max(window, key=lambda o: o.time, default=None)
         if newest is not None and newest.engines == 0 and newest.waiting > 0 and now - newest.time <= 2 * policy.interval_s:
-            want = max(1, policy.min_replicas)
-            target = _clamp(want, policy)
+            target = _clamp(max(1, policy.min_replicas), policy)
             reason = (f"{newest.waiting} request{'s' if newest.waiting != 1 else ''} queued at the router with no "
                       f"engine: 0 -> {target}")
-            return ScaleDecision(target, reason, None, panic=False, frozen=False, state=AutoscalerState(
-                tuple(sorted(recs)), panic_until, now, state.history_since, now))
-        return no_decision("scaled to zero: no engine and no request queued at the router")
+            return ScaleDecision(target, reason, None, panic=False, frozen=False, cause="waiting", state=AutoscalerState(
+                tuple(sorted(carried.recs)), carried.panic_until, now, state.history_since, now))
+        return no("scaled to zero: no engine and no request queued at the router", "idle")
     in_window = sorted((o for o in window if now - policy.stable_window < o.time <= now), key=lambda o: o.time)
     usable = [o for o in in_window if o.engines > 0]
     if not usable:
         if in_window:
-            return no_decision(f"no engine answered in the last {policy.stable_window:g} s")
-        return no_decision(f"no metrics in the last {policy.stable_window:g} s")
+            return no(f"no engine answered in the last {policy.stable_window:g} s")
+        return no(f"no metrics in the last {policy.stable_window:g} s")
     age = now - usable[-1].time
     if age > 2 * policy.interval_s:
-        return no_decision(f"newest metrics are {age:.0f} s old (interval {policy.interval_s:g} s)")
+        return no(f"newest metrics are {age:.0f} s old (interval {policy.interval_s:g} s)")
+    return usable
 
-    notes: list[str] = []
+
+def _signals(usable: list[Observation], policy: AutoscalingPolicy) -> _Signals:
     # A queue is a stock, not a flow: the backlog left by pods that took minutes to start drains once
     # they serve. A queue shrinking fast enough to be gone within the stable window asks for nothing.
-    count_waiting = True
     if len(usable) >= 2 and policy.target_waiting_per_replica > 0:
         a, b = usable[-2], usable[-1]
         if b.engines > a.engines and b.waiting >= a.waiting:
             # New engines answer for the first time: the router has barely started sending them work,
             # so this scrape's queue does not show their capacity yet. Read it again next scrape.
-            count_waiting = False
-            notes.append(f"{b.engines - a.engines} new engine{'s' if b.engines - a.engines > 1 else ''} "
-                         f"just answered: the queue ({b.waiting} waiting) is read again next scrape")
-        elif b.waiting < a.waiting:
+            return _Signals(usable, False, f"{b.engines - a.engines} new engine{'s' if b.engines - a.engines > 1 else ''} "
+                                           f"just answered: the queue ({b.waiting} waiting) is read again next scrape")
+        if b.waiting < a.waiting:
             eta = b.waiting * (b.time - a.time) / (a.waiting - b.waiting)
             if eta <= policy.stable_window:
-                count_waiting = False
-                notes.append(f"queue draining ({a.waiting} -> {b.waiting} waiting, empty in ~{eta:.0f} s): "
-                             "not counted")
-    load = _load(usable, policy, count_waiting=count_waiting)
+                return _Signals(usable, False, f"queue draining ({a.waiting} -> {b.waiting} waiting, empty in "
+                                               f"~{eta:.0f} s): not counted")
+    return _Signals(usable, True, None)
+
+
+def _panic(signals: _Signals, policy: AutoscalingPolicy, panic_until: float | None, now: float) -> _Panic:
     # The panic window: the newest two scrapes. One would be quicker by an interval for moderate bursts,
     # but a single scrape of a queue is noisy; a burst of 4x target or more still panics on its first.
-    newest = _load(usable[-policy.panic_scrapes:], policy, count_waiting=count_waiting)
-    if newest.ratio >= policy.panic_threshold:
-        panic_until = now + policy.panic_hold
-        scrapes = f"{newest.scrapes} scrape{'s' if newest.scrapes > 1 else ''}"
-        notes.append(f"panic: newest {scrapes} at {newest.ratio:.2f}x target "
-                     f"(>= {policy.panic_threshold:g}x) on {newest.engines} engines")
-    panicking = panic_until is not None
+    newest = _load(signals.usable[-policy.panic_scrapes:], policy, count_waiting=signals.count_waiting)
+    if newest.ratio < policy.panic_threshold:
+        return _Panic(newest, panic_until, None)
+    scrapes = f"{newest.scrapes} scrape{'s' if newest.scrapes > 1 else ''}"
+    return _Panic(newest, now + policy.panic_hold, f"panic: newest {scrapes} at {newest.ratio:.2f}x target "
+                                                   f"(>= {policy.panic_threshold:g}x) on {newest.engines} engines")
 
-    # This pass's recommendation, in replicas, before stabilization and bounds.
+
+def _recommend(load: _Load, panic: _Panic, policy: AutoscalingPolicy, current: int, state: AutoscalerState,
+               now: float) -> _Recommendation:
     if load.idle:
         rec = 0
     elif abs(load.ratio - 1) <= policy.tolerance:
@@ -362,63 +409,80 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
         # Fewer engines each run bigger batches, slower per sequence, so they hold KV longer than a
         # linear projection says: leave them at the bottom of the band, not at the target.
         rec = max(1, _ceil(load.demand / (1 - policy.tolerance)))
-    if panicking:
-        rec = max(rec, _ceil(newest.demand), current)
-    wish = rec
+    if panic.until is not None:
+        rec = max(rec, _ceil(panic.newest.demand), current)
     # Pods asked for recently that do not answer yet: their capacity is on its way. Waiting requests
     # pile up meanwhile, and scaling on them again would cascade (llm-d blocks it the same way).
     pending = (load.engines < current and state.last_scale_up_time is not None
                and now - state.last_scale_up_time < policy.pending_grace_s)
     if pending and rec > current:
-        notes.append(f"{load.engines} of {current} engines answering: no further scale-up (to {rec}) until the "
-                     f"pods asked for {now - state.last_scale_up_time:.0f} s ago answer")
-        rec = current
-    previous = [t for t, _ in recs if t < now]
+        return _Recommendation(rec, current, f"{load.engines} of {current} engines answering: no further scale-up "
+                                             f"(to {rec}) until the pods asked for "
+                                             f"{now - state.last_scale_up_time:.0f} s ago answer")
+    return _Recommendation(rec, rec, None)
+
+
+def _stabilize(rec: int, load: _Load, policy: AutoscalingPolicy, current: int, carried: _Carried,
+               panic_until: float | None, state: AutoscalerState, now: float) -> _Step:
+    previous = [t for t, _ in carried.recs if t < now]
     since = state.history_since
     if since is None or not previous or now - max(previous) > policy.history_gap_s or since > now:
         since = now
-    recs = [(t, r) for t, r in recs if t != now] + [(now, rec)]
-
-    up_limit = rec if panicking else min(r for t, r in recs if t >= now - policy.scale_up_stabilization_s)
+    recs = [(t, r) for t, r in carried.recs if t != now] + [(now, rec)]
+    up_limit = rec if panic_until is not None else min(r for t, r in recs if t >= now - policy.scale_up_stabilization_s)
     slack = policy.interval_s / 2   # scrapes jitter around the interval
     down_limit = max(r for t, r in recs if t >= now - policy.scale_down_stabilization_s - slack)
-    covered_s = now - since
 
-    desired = current
+    def step(desired: int, note: str | None = None) -> _Step:
+        return _Step(desired, recs, since, note)
+
     if up_limit > current:
-        step_max = max(_ceil(current * policy.max_scale_up_factor), current + policy.max_scale_up_pods)
-        desired = min(up_limit, step_max)
-        if desired < up_limit:
-            notes.append(f"at most x{policy.max_scale_up_factor:g} or +{policy.max_scale_up_pods} per step "
-                         f"(load asks for {up_limit})")
-    elif rec > current:
-        notes.append(f"scale-up to {rec} waits for scaleUpStabilizationSeconds "
-                     f"{policy.scale_up_stabilization_s:g} (lowest recommendation in it: {up_limit})")
-    elif down_limit < current:
-        if panicking:
-            notes.append(f"no scale-down while panicking (until {panic_until - now:.0f} s from now)")
-        elif load.engines < current:
-            notes.append(f"{load.engines} of {current} engines answering: "
-                         "no scale-down while a scale-up is still starting")
-        elif last_scale is not None and now - last_scale < policy.stable_window:
+        desired = min(up_limit, max(_ceil(current * policy.max_scale_up_factor), current + policy.max_scale_up_pods))
+        return step(desired, None if desired == up_limit else f"at most x{policy.max_scale_up_factor:g} or "
+                    f"+{policy.max_scale_up_pods} per step (load asks for {up_limit})")
+    if rec > current:
+        return step(current, f"scale-up to {rec} waits for scaleUpStabilizationSeconds "
+                             f"{policy.scale_up_stabilization_s:g} (lowest recommendation in it: {up_limit})")
+    if down_limit < current:
+        last_scale = carried.last_scale
+        if panic_until is not None:
+            return step(current, f"no scale-down while panicking (until {panic_until - now:.0f} s from now)")
+        if load.engines < current:
+            return step(current, f"{load.engines} of {current} engines answering: "
+                                 "no scale-down while a scale-up is still starting")
+        if last_scale is not None and now - last_scale < policy.stable_window:
             # Each step down is measured before the next: demand read off fewer, busier engines is
             # more accurate than an extrapolation from many idle ones.
-            notes.append(f"measuring the last scale ({now - last_scale:.0f} s ago) for a full "
-                         f"{policy.stable_window:g} s window before scaling down again")
-        elif covered_s + slack < policy.scale_down_stabilization_s:
-            notes.append(f"recommendations below {current} for {covered_s:.0f} s of the "
-                         f"{policy.scale_down_stabilization_s:g} s scale-down window")
-        else:
-            floor = current // 2 if down_limit == 0 else _ceil(current / 2)
-            desired = max(down_limit, floor)
-            if desired > down_limit:
-                notes.append(f"at most halving per step (load asks for {down_limit})")
-    elif rec < current:
-        notes.append(f"a recommendation of {down_limit} within the last "
-                     f"{policy.scale_down_stabilization_s:g} s holds the scale-down")
+            return step(current, f"measuring the last scale ({now - last_scale:.0f} s ago) for a full "
+                                 f"{policy.stable_window:g} s window before scaling down again")
+        if now - since + slack < policy.scale_down_stabilization_s:
+            return step(current, f"recommendations below {current} for {now - since:.0f} s of the "
+                                 f"{policy.scale_down_stabilization_s:g} s scale-down window")
+        desired = max(down_limit, current // 2 if down_limit == 0 else _ceil(current / 2))
+        return step(desired, f"at most halving per step (load asks for {down_limit})" if desired > down_limit else None)
+    if rec < current:
+        return step(current, f"a recommendation of {down_limit} within the last "
+                             f"{policy.scale_down_stabilization_s:g} s holds the scale-down")
+    return step(current)
 
-    bounded = _clamp(desired, policy)
-    limited = _limited(wish, policy) or _limited(desired, policy)
+
+def _cause(load: _Load, policy: AutoscalingPolicy, current: int, wish: int, desired: int, bounded: int,
+           panicking: bool) -> str:
+    if load.idle:
+        return "idle"
+    if abs(load.ratio - 1) <= policy.tolerance and not panicking:
+        return "steady"
+    if bounded != desired or (wish > current and bounded == policy.max_replicas) or \
+            (wish < current and bounded == policy.min_replicas):
+        return "bounds"
+    if desired == current:
+        return "stabilizing"
+    return "kv_cache" if load.kv_leads else "waiting"
+
+
+def _render(load: _Load, policy: AutoscalingPolicy, notes: list[str], wish: int, current: int, bounded: int,
+            limited: str | None, panicking: bool) -> str:
+    """The decision's message: the signals, the verdict, every stage's note, the move, the clamp."""
     if load.idle:
         verdict = "idle (nothing ran, waited or finished)"
     elif abs(load.ratio - 1) <= policy.tolerance and not panicking:
@@ -427,10 +491,40 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
         verdict = f"asks for {wish}"
     move = f"{current} -> {bounded}" if bounded != current else f"keeping {current}"
     reason = "; ".join([f"{_describe(load, policy)}, {verdict}", *notes, move])
-    if limited:
-        reason += f" ({limited})"
-    new_state = AutoscalerState(_compact(recs, now, policy), panic_until,
-                                now if bounded != current else last_scale, since,
+    return reason + f" ({limited})" if limited else reason
+
+
+def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: int, state: AutoscalerState,
+           now: float, *, stale: bool = False) -> ScaleDecision:
+    """Desired replicas from the window; the rule and its reasons are in docs/autoscaling.md.
+
+    `current` is the replica count the operator asks for now; `window` the recent observations
+    (any order; ones outside the stable window are ignored); `state` what the previous pass returned.
+    Deterministic: the same inputs give the same decision, so a restarted operator that re-runs a pass
+    with the persisted state does not scale twice. The stages run in order, each returning a record;
+    the message is rendered once from their notes.
+    """
+    if isinstance(current, bool) or not isinstance(current, int) or current < 0:
+        raise ValueError(f"current replicas must be an integer >= 0, not {current!r}")
+    if not _finite(now):
+        raise ValueError(f"now must be a finite number, not {now!r}")
+    carried = _carry(policy, state, now)
+    usable = _gate(policy, window, current, carried, state, now, stale)
+    if isinstance(usable, ScaleDecision):
+        return usable
+    signals = _signals(usable, policy)
+    load = _load(usable, policy, count_waiting=signals.count_waiting)
+    panic = _panic(signals, policy, carried.panic_until, now)
+    panicking = panic.until is not None
+    recommendation = _recommend(load, panic, policy, current, state, now)
+    step = _stabilize(recommendation.rec, load, policy, current, carried, panic.until, state, now)
+    bounded = _clamp(step.desired, policy)
+    limited = _limited(recommendation.wish, policy) or _limited(step.desired, policy)
+    notes = [n for n in (signals.note, panic.note, recommendation.note, step.note) if n]
+    new_state = AutoscalerState(_compact(step.recs, now, policy), panic.until,
+                                now if bounded != current else carried.last_scale, step.since,
                                 now if bounded > current else state.last_scale_up_time)
-    return ScaleDecision(bounded, reason, limited, panic=panicking, frozen=False, state=new_state,
-                         load_ratio=round(load.ratio, 4))
+    return ScaleDecision(bounded, _render(load, policy, notes, recommendation.wish, current, bounded, limited,
+                                          panicking), limited, panic=panicking, frozen=False,
+                         cause=_cause(load, policy, current, recommendation.wish, step.desired, bounded, panicking),
+                         state=new_state, load_ratio=round(load.ratio, 4))
