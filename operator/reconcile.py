@@ -16,7 +16,8 @@ from . import names
 from .kube_client import Kube
 from .scrape import EngineSample, Fetch, aggregate, observe, parse_router_queue, ready_pods, scrape
 from .desired_state import Observed, desired_state, effective_engine, engine_replicas, service_url
-from .scaling import ScrapeResult, epoch, plan, scrape_due
+from .pass_report import PassReport, pass_report
+from .scaling import ScalingOutcome, ScrapeResult, epoch, plan, scrape_due
 from .spec import parse_source, validate, with_defaults
 from .status import compute_status
 
@@ -33,6 +34,7 @@ class Outcome:
     status: dict[str, Any]
     events: list[Event] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)    # to set on the PagedModel (tuner overrides)
+    report: PassReport = field(default_factory=PassReport)      # what the operator's metrics count
 
 
 @dataclass
@@ -89,64 +91,40 @@ def _engine_change(previous: dict[str, Any] | None, engine: dict[str, Any]) -> s
     return ", ".join(changes)
 
 
-def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None,
-              fetch: Fetch | None = None, bind_host: str = "0.0.0.0", memory: Memory | None = None,
-              clock: float | None = None) -> Outcome:
-    """One pass. With `fetch` (URL -> text) the ready engines are scraped when spec.autoscaling.intervalSeconds
-    has passed since the last scrape, and the autoscaler and tuner decide on the fresh observation."""
-    clock = clock if clock is not None else (epoch(now) if now else time.time())
-    now = now or now_iso()
-    memory = memory if memory is not None else Memory()
-    meta = pm["metadata"]
-    model, namespace = meta["name"], meta["namespace"]
+def _invalid(pm: dict[str, Any], errors: list[str], selector: str, now: str) -> Outcome:
+    """A spec that breaks a rule: phase Failed, nothing applied, one InvalidSpec event per new message."""
     old_status = pm.get("status") or {}
-    events: list[Event] = []
-    selector = names.selector_string(model, names.ENGINE)
-    spec = with_defaults(pm.get("spec"))
-    errors = [str(e) for e in validate(spec)]
-    if errors:
-        status = compute_status(pm, desired_replicas=0, selector=selector, url="", engine=None,
-                                deployment=None, pods=[], invalid=errors, now=now)
-        if old_status.get("message") != status["message"] or old_status.get("phase") != "Failed":
-            events.append(Event("Warning", "InvalidSpec", status["message"]))
-        return Outcome(status, events)
+    status = compute_status(pm, desired_replicas=0, selector=selector, url="", engine=None,
+                            deployment=None, pods=[], invalid=errors, now=now)
+    events = []
+    if old_status.get("message") != status["message"] or old_status.get("phase") != "Failed":
+        events.append(Event("Warning", "InvalidSpec", status["message"]))
+    return Outcome(status, events, report=PassReport(error_kind="invalid_spec"))
 
-    observed = observed_from(pm, router_enabled, bind_host)
-    blocked = missing_dependencies(kube, namespace, spec)
-    engine_path = kube.path("Deployment", namespace, names.engine_name(model))
-    before = kube.get(engine_path)
-    pods = kube.pods(namespace, selector)
 
-    # ---- scrape, autoscale, tune: decide the replica count and overrides before applying the children
-    result = None
-    if fetch is not None and scrape_due(spec, old_status, clock):
-        ready = ready_pods(pods)
-        scrapes = scrape(ready, names.ENGINE_PORT, fetch)
-        queue = None
-        if observed.router_enabled:
-            routers = ready_pods(kube.pods(namespace, names.selector_string(model, names.ROUTER)))
-            answers = [r.sample for r in scrape(routers, names.ENGINE_PORT, fetch, parse=parse_router_queue)
-                       if r.sample is not None]
-            queue = sum(answers) if answers else None
-        observation, memory.baselines[meta.get("uid", model)] = observe(
-            scrapes, memory.baselines.get(meta.get("uid", model), {}), clock, router_queue=queue)
-        result = ScrapeResult(len(ready), scrapes, observation)
-    # An HPA matters where it decides the count (autoscaling on) or what the conditions say (a scrape pass).
-    external_hpa = (kube.external_autoscaler(namespace, model)
-                    if spec["autoscaling"]["enabled"] or result is not None else None)
-    observed = replace(observed, external_autoscaler=external_hpa is not None)
-    current = engine_replicas(spec, observed)
-    scaling = plan(spec, old_status, result, current=current, engine=effective_engine(spec, observed),
-                   tuned=observed.tuned, now=clock, generation=int(meta.get("generation") or 0),
-                   rolling_out=_rolling_out(before), external_hpa=external_hpa)
-    annotations = {}
-    if scaling.tuned != observed.tuned:
-        annotations[names.ANNOTATION_TUNED] = json.dumps(scaling.tuned, sort_keys=True)
-    observed = replace(observed, tuned=scaling.tuned, engine_replicas=(
-        scaling.desired_replicas if scaling.desired_replicas is not None else observed.engine_replicas))
-    events += [Event(*e) for e in scaling.events]
+def _scrape_pass(kube: Kube, pm: dict[str, Any], pods: list[dict[str, Any]], observed: Observed, fetch: Fetch,
+                 memory: Memory, clock: float) -> ScrapeResult:
+    """The ready engines' metrics (and the routers' queue) folded into one observation."""
+    meta = pm["metadata"]
+    model, namespace, key = meta["name"], meta["namespace"], meta.get("uid", meta["name"])
+    ready = ready_pods(pods)
+    scrapes = scrape(ready, names.ENGINE_PORT, fetch)
+    queue = None
+    if observed.router_enabled:
+        routers = ready_pods(kube.pods(namespace, names.selector_string(model, names.ROUTER)))
+        router_scrapes = scrape(routers, names.ENGINE_PORT, fetch, parse=parse_router_queue)
+        answers = [r.sample for r in router_scrapes if r.sample is not None]
+        queue = sum(answers) if answers else None
+        scrapes_failed = [r.pod for r in router_scrapes if r.sample is None]
+    else:
+        scrapes_failed = []
+    observation, memory.baselines[key] = observe(scrapes, memory.baselines.get(key, {}), clock, router_queue=queue)
+    return ScrapeResult(len(ready), scrapes, observation, failed_routers=scrapes_failed)
 
-    engine = effective_engine(spec, observed)
+
+def _apply(kube: Kube, pm: dict[str, Any], observed: Observed, engine: dict[str, Any], events: list[Event]) -> None:
+    """Server-side apply the desired state; say what was created or updated (and why the engines roll)."""
+    model = pm["metadata"]["name"]
     applied = [kube.apply(m) for m in desired_state(pm, observed)]
     created = [f"{a.kind}/{a.name}" for a in applied if a.action == "created"]
     updated = [a for a in applied if a.action == "updated"]
@@ -161,10 +139,10 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
             if change:
                 events.append(Event("Normal", "EngineArgsChanged", f"rolling engines: {change}"))
 
-    deployment = kube.get(engine_path)
-    status = compute_status(pm, desired_replicas=engine_replicas(spec, observed), selector=selector,
-                            url=service_url(pm), engine={k: v for k, v in sorted(engine.items())},
-                            deployment=deployment, pods=pods, blocked=blocked, now=now)
+
+def _carry_status(status: dict[str, Any], old_status: dict[str, Any], scaling: ScalingOutcome,
+                  result: ScrapeResult | None, now: str) -> None:
+    """The scaling pass's status fields, what it did not touch this pass, and status.metrics."""
     status["conditions"] += scaling.conditions
     status.update(scaling.status)
     for key in ("lastScale", "scaleHistory", "autoscaler", "tuning"):
@@ -178,12 +156,62 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
     elif old_status.get("metrics"):
         stale = any(c["type"] == "MetricsAvailable" and c["status"] == "False" for c in scaling.conditions)
         status["metrics"] = {**old_status["metrics"], "stale": stale or bool(old_status["metrics"].get("stale"))}
+
+
+def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None,
+              fetch: Fetch | None = None, bind_host: str = "0.0.0.0", memory: Memory | None = None,
+              clock: float | None = None) -> Outcome:
+    """One pass. With `fetch` (URL -> text) the ready engines are scraped when spec.autoscaling.intervalSeconds
+    has passed since the last scrape, and the autoscaler and tuner decide on the fresh observation."""
+    clock = clock if clock is not None else (epoch(now) if now else time.time())
+    now = now or now_iso()
+    memory = memory if memory is not None else Memory()
+    meta = pm["metadata"]
+    model, namespace = meta["name"], meta["namespace"]
+    old_status = pm.get("status") or {}
+    selector = names.selector_string(model, names.ENGINE)
+    spec = with_defaults(pm.get("spec"))
+    errors = [str(e) for e in validate(spec)]
+    if errors:
+        return _invalid(pm, errors, selector, now)
+
+    observed = observed_from(pm, router_enabled, bind_host)
+    blocked = missing_dependencies(kube, namespace, spec)
+    engine_path = kube.path("Deployment", namespace, names.engine_name(model))
+    before = kube.get(engine_path)
+    pods = kube.pods(namespace, selector)
+
+    # ---- scrape, autoscale, tune: decide the replica count and overrides before applying the children
+    result = None
+    if fetch is not None and scrape_due(spec, old_status, clock):
+        result = _scrape_pass(kube, pm, pods, observed, fetch, memory, clock)
+    # An HPA matters where it decides the count (autoscaling on) or what the conditions say (a scrape pass).
+    external_hpa = (kube.external_autoscaler(namespace, model)
+                    if spec["autoscaling"]["enabled"] or result is not None else None)
+    observed = replace(observed, external_autoscaler=external_hpa is not None)
+    current = engine_replicas(spec, observed)
+    scaling = plan(spec, old_status, result, current=current, engine=effective_engine(spec, observed),
+                   tuned=observed.tuned, now=clock, generation=int(meta.get("generation") or 0),
+                   rolling_out=_rolling_out(before), external_hpa=external_hpa)
+    annotations = {}
+    if scaling.tuned != observed.tuned:
+        annotations[names.ANNOTATION_TUNED] = json.dumps(scaling.tuned, sort_keys=True)
+    observed = replace(observed, tuned=scaling.tuned, engine_replicas=(
+        scaling.desired_replicas if scaling.desired_replicas is not None else observed.engine_replicas))
+    events = [Event(*e) for e in scaling.events]
+
+    engine = effective_engine(spec, observed)
+    _apply(kube, pm, observed, engine, events)
+    status = compute_status(pm, desired_replicas=engine_replicas(spec, observed), selector=selector,
+                            url=service_url(pm), engine={k: v for k, v in sorted(engine.items())},
+                            deployment=kube.get(engine_path), pods=pods, blocked=blocked, now=now)
+    _carry_status(status, old_status, scaling, result, now)
     if blocked and (old_status.get("message") != status["message"]):
         events.append(Event("Warning", "MissingDependency", status["message"]))
     if old_status.get("phase") != status["phase"] and not blocked:
         kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
         events.append(Event(kind, status["phase"], status["message"]))
-    return Outcome(status, events, annotations)
+    return Outcome(status, events, annotations, report=pass_report(spec, status, scaling, result, current))
 
 
 def _rolling_out(deployment: dict[str, Any] | None) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from .autoscaler import AutoscalerState, AutoscalingPolicy, decide, trim
+from .autoscaler import AutoscalerState, AutoscalingPolicy, ScaleDecision, decide, trim
 from .scrape import PodScrape
 from .observation import Observation
 from .status import condition
@@ -31,6 +31,7 @@ class ScrapeResult:
     ready: int                          # ready engine pods asked
     scrapes: list[PodScrape]
     observation: Observation | None     # None when no engine answered
+    failed_routers: list[str] = field(default_factory=list)   # router pods whose queue could not be read
 
 
 @dataclass
@@ -40,6 +41,8 @@ class ScalingOutcome:
     status: dict[str, Any] = field(default_factory=dict)     # status fields to set
     conditions: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[str, str, str]] = field(default_factory=list)   # (type, reason, message)
+    decision: ScaleDecision | None = None          # the autoscaler's, when it ran this pass
+    tuner_actions: list[str] = field(default_factory=list)   # "proposed", "applied", "reverted" this pass
 
 
 def epoch(iso: str | None) -> float | None:
@@ -125,6 +128,7 @@ def plan(spec: dict[str, Any], status: dict[str, Any], result: ScrapeResult | No
                                         generation, now_iso))
     else:
         decision = decide(policy, trim(window, policy, now), current, state, now, stale=not available)
+        out.decision = decision
         out.desired_replicas = decision.desired
         state = decision.state
         active_reason = "Frozen" if decision.frozen else ("Panic" if decision.panic else "Scaling")
@@ -195,9 +199,11 @@ def _tune(policy: TuningPolicy | None, status: dict[str, Any], window: list[Obse
     if rec and d.apply:         # a revert is applied only when allowed now, like any change
         out.tuned.update(rec)
         verb = "reverting" if d.revert else "applying"
+        out.tuner_actions += ["proposed"] * bool(changed_rec) + ["reverted" if d.revert else "applied"]
         new["lastApplied"] = {"time": iso(now), "change": rec, "reason": d.reason, "revert": d.revert}
         out.events.append(("Normal", "EngineArgsChanged", f"tuner {verb} {_fmt(rec)}: {d.reason}"))
     elif changed_rec:
+        out.tuner_actions.append("proposed")
         held = f" (not applied: {d.held})" if d.held else ""
         out.events.append(("Normal", "EngineArgsRecommended", f"{_fmt(rec)}: {d.reason}{held}"))
     if "lastApplied" in old and "lastApplied" not in new:
