@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from .observation import Observation
+from .validation import check_int, check_number, failer, finite, is_num
 
 
 @dataclass(frozen=True)
@@ -35,40 +36,28 @@ class AutoscalingPolicy:
     max_scale_up_pods: int = 4          # ... or adds this many pods, whichever is more (HPA's default)
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> None:
-            raise ValueError(f"autoscaling policy: {msg}")
-        for name in ("min_replicas", "max_replicas"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                bad(f"{name} must be an integer >= 0, not {v!r}")
+        bad = failer("autoscaling policy")
+        for name in ("min_replicas", "max_replicas", "panic_scrapes", "max_scale_up_pods"):
+            check_int(bad, name, getattr(self, name), 1 if name in ("panic_scrapes", "max_scale_up_pods") else 0)
         if self.max_replicas < 1:
             bad(f"max_replicas must be >= 1, not {self.max_replicas}")
         if self.min_replicas > self.max_replicas:
             bad(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
-        for name, lo_open in (("target_kv_cache_usage", True), ("target_waiting_per_replica", False),
-                              ("interval_s", True), ("scale_up_stabilization_s", False),
-                              ("scale_down_stabilization_s", False), ("tolerance", False),
-                              ("stable_window_s", True), ("panic_hold_s", False), ("pending_grace_s", False)):
+        for name, positive in (("target_kv_cache_usage", True), ("target_waiting_per_replica", False),
+                               ("interval_s", True), ("scale_up_stabilization_s", False),
+                               ("scale_down_stabilization_s", False), ("tolerance", False),
+                               ("stable_window_s", True), ("panic_hold_s", False), ("pending_grace_s", False)):
             v = getattr(self, name)
             if v is None and name in ("stable_window_s", "panic_hold_s"):
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < 0 or (lo_open and v == 0):
-                bad(f"{name} must be a number {'> 0' if lo_open else '>= 0'}, not {v!r}")
+            check_number(bad, name, v, positive=positive)
         if self.target_kv_cache_usage > 1:
             bad(f"target_kv_cache_usage must be <= 1, not {self.target_kv_cache_usage}")
-        if isinstance(self.max_scale_up_factor, bool) or not isinstance(self.max_scale_up_factor, (int, float)) \
-                or not self.max_scale_up_factor > 1:
+        if not is_num(self.max_scale_up_factor) or not self.max_scale_up_factor > 1:
             bad(f"max_scale_up_factor must be > 1, not {self.max_scale_up_factor!r}")
-        if isinstance(self.panic_scrapes, bool) or not isinstance(self.panic_scrapes, int) or self.panic_scrapes < 1:
-            bad(f"panic_scrapes must be an integer >= 1, not {self.panic_scrapes!r}")
-        if isinstance(self.max_scale_up_pods, bool) or not isinstance(self.max_scale_up_pods, int) \
-                or self.max_scale_up_pods < 1:
-            bad(f"max_scale_up_pods must be an integer >= 1, not {self.max_scale_up_pods!r}")
         if self.tolerance >= 1:
             bad(f"tolerance must be < 1, not {self.tolerance}")
-        if isinstance(self.panic_threshold, bool) or not isinstance(self.panic_threshold, (int, float)) \
-                or not self.panic_threshold > 1 + self.tolerance:
+        if not is_num(self.panic_threshold) or not self.panic_threshold > 1 + self.tolerance:
             bad(f"panic_threshold must exceed 1 + tolerance, not {self.panic_threshold!r}")
 
     @classmethod
@@ -150,19 +139,15 @@ class AutoscalerState:
         recs: dict[float, int] = {}
         items = raw.get("recommendations")
         for item in items if isinstance(items, list) else []:
-            if (isinstance(item, (list, tuple)) and len(item) == 2 and _finite(item[0])
+            if (isinstance(item, (list, tuple)) and len(item) == 2 and finite(item[0])
                     and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= 0):
                 recs[float(item[0])] = item[1]
 
         def num(key: str) -> float | None:
             v = raw.get(key)
-            return float(v) if _finite(v) else None
+            return float(v) if finite(v) else None
         return cls(tuple(sorted(recs.items())), num("panicUntil"), num("lastScaleTime"), num("historySince"),
                    num("lastScaleUpTime"))
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass(frozen=True)
@@ -506,7 +491,7 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
     """
     if isinstance(current, bool) or not isinstance(current, int) or current < 0:
         raise ValueError(f"current replicas must be an integer >= 0, not {current!r}")
-    if not _finite(now):
+    if not finite(now):
         raise ValueError(f"now must be a finite number, not {now!r}")
     carried = _carry(policy, state, now)
     usable = _gate(policy, window, current, carried, state, now, stale)

@@ -10,7 +10,6 @@ polled every CANCELLATION_POLL_S, not kopf's default minute); with the operator 
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -32,13 +31,8 @@ CANCELLATION_POLL_S = 1.0     # how often kopf checks that a deleted PagedModel'
 @dataclass
 class OperatorConfig:
     status_interval_s: float = 5.0
-    router: str = "auto"            # auto | enabled | disabled
+    router: str = "auto"            # auto (= enabled: the router ships in the same image) | enabled | disabled
     bind: str = "all"               # all: pods listen on 0.0.0.0 | pod-ip: on $(POD_IP) only
-
-
-def router_available() -> bool:
-    """The router subcommand ships in the same image; until it exists the Service targets the engines."""
-    return importlib.util.find_spec("pagedmodel.server.router") is not None
 
 
 def _api_client() -> k8s.ApiClient:
@@ -53,9 +47,9 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     """Attach the PagedModel handlers to `registry` (a fresh one per operator run)."""
     state: dict[str, Any] = {}
     memory = Memory()
-    router_enabled = {"enabled": True, "disabled": False}.get(cfg.router)
-    if router_enabled is None:
-        router_enabled = router_available()
+    if cfg.router not in ("auto", "enabled", "disabled"):
+        raise ValueError(f"router must be auto, enabled or disabled, not {cfg.router!r}")
+    router_enabled = cfg.router != "disabled"
 
     bind_host = {"all": "0.0.0.0", "pod-ip": "$(POD_IP)"}[cfg.bind]
 
@@ -74,7 +68,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
         # A timer caught mid-pass by a deletion is re-checked after this long; kopf's default (60 s) makes
         # `kubectl delete pm` wait a minute whenever a pass was running.
         settings.background.cancellation_polling = CANCELLATION_POLL_S
-        logger.info("router %s", "enabled" if router_enabled else "not available: the Service selects the engines")
+        logger.info("router %s", "enabled" if router_enabled else "disabled: the Service selects the engines")
 
     def run_pass(body: Any, patch: kopf.Patch, logger: logging.Logger, scrape: bool) -> None:
         pm = {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),

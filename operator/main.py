@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between status refreshes of each PagedModel (default 5); engines are "
                              "scraped every spec.autoscaling.intervalSeconds, checked at each refresh")
     parser.add_argument("--router", choices=["auto", "enabled", "disabled"], default="auto",
-                        help="deploy `pagedmodel router` in front of the engines (auto: when this build has it)")
+                        help="deploy `pagedmodel router` in front of the engines (auto, the default, is enabled)")
     parser.add_argument("--pod-bind", choices=["all", "pod-ip"], default="all",
                         help="engines and routers listen on 0.0.0.0 (all) or only on their pod IP (pod-ip: for "
                              "nodes whose pods share a network namespace, like the e2e kubelet)")

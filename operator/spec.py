@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .validation import is_int, is_num
+
 DEFAULTS: dict[str, Any] = {
     "image": "ghcr.io/pagedmodel/pagedmodel:0.1.0",
     "imagePullPolicy": "IfNotPresent",
@@ -98,16 +100,8 @@ def parse_source(source: str) -> ModelSource:
     return ModelSource(scheme, rest)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _int_in(lo: int, hi: int | None = None) -> tuple[Callable[[Any], bool], str]:
-    return ((lambda v: _is_int(v) and v >= lo and (hi is None or v <= hi)),
+    return ((lambda v: is_int(v) and v >= lo and (hi is None or v <= hi)),
             f"must be an integer in [{lo}, {hi}]" if hi is not None else f"must be an integer >= {lo}")
 
 
@@ -115,13 +109,13 @@ def _one_of(*choices: Any) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: any(v == c and type(v) is type(c) for c in choices)), f"must be one of {list(choices)}"
 
 
-_FRACTION = ((lambda v: _is_num(v) and 0 < v <= 1), "must be a number in (0, 1]")
-_NON_NEGATIVE = ((lambda v: _is_num(v) and v >= 0), "must be a number >= 0")
-_POSITIVE = ((lambda v: _is_num(v) and v > 0), "must be a number > 0")
+_FRACTION = ((lambda v: is_num(v) and 0 < v <= 1), "must be a number in (0, 1]")
+_NON_NEGATIVE = ((lambda v: is_num(v) and v >= 0), "must be a number >= 0")
+_POSITIVE = ((lambda v: is_num(v) and v > 0), "must be a number > 0")
 _BOOL = ((lambda v: isinstance(v, bool)), "must be true or false")
 _STRING = ((lambda v: isinstance(v, str)), "must be a string")
 _NON_EMPTY = ((lambda v: isinstance(v, str) and bool(v)), "must be a non-empty string")
-_QUANTITY = ((lambda v: (_is_int(v) and v >= 0) or (isinstance(v, str) and bool(_QUANTITY_RE.match(v)))),
+_QUANTITY = ((lambda v: (is_int(v) and v >= 0) or (isinstance(v, str) and bool(_QUANTITY_RE.match(v)))),
              "must be a Kubernetes quantity such as \"4\", \"500m\" or \"32Gi\"")
 _STR_LIST = ((lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v)),
              "must be a list of non-empty strings")
@@ -148,10 +142,10 @@ FIELD_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("engine", "maxNumBatchedTokens"): _int_in(16, 1048576),
     ("engine", "gpuMemoryUtilization"): _FRACTION,
     ("engine", "kvCacheMemoryBytes"): _int_in(1 << 20),
-    ("engine", "swapSpaceGiB"): ((lambda v: _is_num(v) and 0 <= v <= 1024), "must be a number in [0, 1024]"),
+    ("engine", "swapSpaceGiB"): ((lambda v: is_num(v) and 0 <= v <= 1024), "must be a number in [0, 1024]"),
     ("engine", "enablePrefixCaching"): _BOOL,
     ("engine", "preemptionMode"): _one_of("swap", "recompute"),
-    ("engine", "tensorParallelSize"): ((lambda v: v == 1 and _is_int(v)), "only 1 is supported"),
+    ("engine", "tensorParallelSize"): ((lambda v: v == 1 and is_int(v)), "only 1 is supported"),
     ("engine", "dtype"): _one_of(*DTYPES),
     ("engine", "device"): _one_of(*DEVICES),
     ("engine", "maxQueueLength"): _int_in(1),
@@ -174,7 +168,7 @@ FIELD_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
                          f"must be one of {list(TUNING_MODES)} (quote Off in YAML: unquoted it is a boolean)"),
     ("tuning", "cooldownSeconds"): _int_in(0),
     ("tuning", "blockSizes"): ((lambda v: isinstance(v, list) and bool(v) and all(
-        _is_int(s) and s in BLOCK_SIZES for s in v)), f"must be a non-empty list of {list(BLOCK_SIZES)}"),
+        is_int(s) and s in BLOCK_SIZES for s in v)), f"must be a non-empty list of {list(BLOCK_SIZES)}"),
     ("router", "replicas"): _int_in(0, 100),
     ("router", "strategy"): _one_of("kv-aware", "least-load", "prefix", "round-robin"),
     ("router", "maxQueueLength"): _int_in(0),
@@ -226,13 +220,13 @@ def validate(spec: dict[str, Any]) -> list[SpecError]:
 
     auto = spec.get("autoscaling") if isinstance(spec.get("autoscaling"), dict) else {}
     lo, hi = auto.get("minReplicas"), auto.get("maxReplicas")
-    if _is_int(lo) and _is_int(hi) and lo > hi:
+    if is_int(lo) and is_int(hi) and lo > hi:
         errors.append(SpecError("spec.autoscaling.minReplicas", f"minReplicas ({lo}) must not exceed maxReplicas ({hi})"))
 
     tuning = spec.get("tuning") if isinstance(spec.get("tuning"), dict) else {}
     rng = tuning.get("maxNumSeqs")
     if rng is not None:
-        if not isinstance(rng, dict) or not _is_int(rng.get("min")) or not _is_int(rng.get("max")):
+        if not isinstance(rng, dict) or not is_int(rng.get("min")) or not is_int(rng.get("max")):
             errors.append(SpecError("spec.tuning.maxNumSeqs", "needs integer min and max"))
         elif rng["min"] > rng["max"]:
             errors.append(SpecError("spec.tuning.maxNumSeqs.min",

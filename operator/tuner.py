@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from .observation import Observation
+from .validation import check_int, check_number, failer, finite, is_int
 
 MODES = ("Off", "Recommend", "Auto")
 DEFAULT_BLOCK_SIZES = (8, 16, 32)
@@ -50,16 +51,14 @@ class TuningPolicy:
                                       # None: max(4 cooldowns, 1 h)
 
     def __post_init__(self) -> None:
-        raise_ = _raiser("tuning policy")
+        raise_ = failer("tuning policy")
         if self.mode not in MODES:
             raise_(f"mode must be one of {list(MODES)}, not {self.mode!r}")
         for name in ("min_max_num_seqs", "max_max_num_seqs", "min_scrapes", "min_finished"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise_(f"{name} must be an integer >= 1, not {v!r}")
+            check_int(raise_, name, getattr(self, name), 1)
         if self.min_max_num_seqs > self.max_max_num_seqs:
             raise_(f"maxNumSeqs min ({self.min_max_num_seqs}) must not exceed max ({self.max_max_num_seqs})")
-        if not self.block_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+        if not self.block_sizes or any(not is_int(b) or b < 1
                                        or b & (b - 1) for b in self.block_sizes):
             raise_(f"block_sizes must be a non-empty list of powers of two, not {self.block_sizes!r}")
         if self.min_scrapes < 2:
@@ -68,8 +67,7 @@ class TuningPolicy:
             v = getattr(self, name)
             if v is None and name == "rejection_s":
                 continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise_(f"{name} must be a number >= 0, not {v!r}")
+            check_number(raise_, name, v)
         object.__setattr__(self, "block_sizes", tuple(sorted(set(self.block_sizes))))
 
     @classmethod
@@ -83,7 +81,7 @@ class TuningPolicy:
         if not isinstance(tuning, dict) or not isinstance(engine, dict):
             raise ValueError("spec.tuning and spec.engine must be objects")
         current = engine.get("maxNumSeqs")
-        if isinstance(current, bool) or not isinstance(current, int) or current < 1:
+        if not is_int(current) or current < 1:
             raise ValueError(f"spec.engine.maxNumSeqs must be an integer >= 1, not {current!r}")
         rng = tuning.get("maxNumSeqs")
         if rng is None:
@@ -105,20 +103,6 @@ class TuningPolicy:
     @property
     def rejection(self) -> float:
         return self.rejection_s if self.rejection_s is not None else max(4 * self.cooldown_s, 3600.0)
-
-
-def _raiser(what: str):
-    def raise_(msg: str) -> None:
-        raise ValueError(f"{what}: {msg}")
-    return raise_
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _iso(t: float) -> str:
@@ -167,18 +151,18 @@ class TunerState:
 
         def num(key: str) -> float | None:
             v = raw.get(key)
-            return float(v) if _finite(v) else None
+            return float(v) if finite(v) else None
         change = raw.get("lastChange")
         last_change = ({k: [int(v[0]), int(v[1])] for k, v in change.items()}
                        if isinstance(change, dict) and change and all(
                            k in TUNED_FIELDS and isinstance(v, list) and len(v) == 2
-                           and all(_is_int(x) and x > 0 for x in v) for k, v in change.items()) else None)
+                           and all(is_int(x) and x > 0 for x in v) for k, v in change.items()) else None)
         base = raw.get("baseline")
         baseline = ({k: float(v) for k, v in base.items()} if isinstance(base, dict) and base
-                    and all(isinstance(k, str) and _finite(v) for k, v in base.items()) else None)
+                    and all(isinstance(k, str) and finite(v) for k, v in base.items()) else None)
         rej = raw.get("rejected")
         rejected = ({k: int(v) for k, v in rej.items()} if isinstance(rej, dict) and rej
-                    and all(k in TUNED_FIELDS and _is_int(v) and v > 0 for k, v in rej.items()) else None)
+                    and all(k in TUNED_FIELDS and is_int(v) and v > 0 for k, v in rej.items()) else None)
         kind = raw.get("changeKind")
         return cls(last_change_time=num("lastChangeTime"), last_change=last_change, baseline=baseline,
                    reverted=raw.get("reverted") is True, settled_time=num("settledTime"),
@@ -265,7 +249,7 @@ def _pick_block(length: float, sizes: tuple[int, ...]) -> int:
 
 def _engine_int(engine: dict[str, Any], key: str) -> int:
     v = engine.get(key)
-    if not _is_int(v) or v < 1:
+    if not is_int(v) or v < 1:
         raise ValueError(f"engine.{key} must be an integer >= 1, not {v!r}")
     return v
 
@@ -278,7 +262,7 @@ def tune(policy: TuningPolicy, window: Sequence[Observation], engine: dict[str, 
     `apply` is True the returned state already records the change as applied: the operator must roll
     it out (or not persist that state).
     """
-    if not _finite(now):
+    if not finite(now):
         raise ValueError(f"now must be a finite number, not {now!r}")
     if not isinstance(engine, dict):
         raise ValueError(f"engine must be an object, not {type(engine).__name__}")
