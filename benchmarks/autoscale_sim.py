@@ -200,96 +200,55 @@ def _step_engine(e: _Engine, cfg: SimConfig, now: float, dt: float, c: _Counters
         i += 1
 
 
-def simulate(cfg: SimConfig) -> dict[str, Any]:
-    """Run the trace; returns the timeline (one row per scrape), the events and the summary numbers."""
-    rng = random.Random(cfg.seed)
-    policy = AutoscalingPolicy.from_spec(cfg.autoscaling)
-    interval = policy.interval_s
-    dt = 1.0
-    engines = [_Engine(ready_at=-math.inf) for _ in range(max(1, policy.min_replicas))]
-    router: deque[_Request] = deque()
-    counters = _Counters()
-    last = _Counters()
-    state = AutoscalerState()
-    window: list[Observation] = []
-    timeline: list[dict[str, Any]] = []
-    events: list[dict[str, Any]] = []
-    waits: list[float] = []
-    provisioned_s = 0.0
-    oracle_s = 0.0
-    capacity = cfg.engine_capacity()
-    next_scrape = interval
-    t = 0.0
-    while t < cfg.duration:
-        # Arrivals of this second (Poisson), queued at the router.
-        lam = cfg.rate(t) * dt
-        n = 0
-        threshold, p = math.exp(-lam), 1.0
-        while True:   # Knuth's method: fine for the small rates here
-            p *= rng.random()
-            if p <= threshold:
-                break
-            n += 1
-        for _ in range(n):
-            router.append(_Request(t, _lengths(rng, cfg.prompt_mean), _lengths(rng, cfg.gen_mean)))
-        ready = [e for e in engines if e.ready_at <= t and not e.draining]
-        while router and ready:
-            target = min(ready, key=lambda e: e.open())
-            if target.open() >= cfg.max_num_seqs:
-                break
-            target.waiting.append(router.popleft())
-        for e in engines:
-            if e.ready_at <= t:
-                _step_engine(e, cfg, t, dt, counters)
-        for e in engines:
-            for r in e.running:
-                if r.first_token is not None and not r.counted:
-                    r.counted = True
-                    waits.append(r.first_token - r.arrival)
-        engines = [e for e in engines if not (e.draining and e.open() == 0)]
-        provisioned_s += sum(1 for e in engines) * dt
-        oracle_s += max(policy.min_replicas, math.ceil(cfg.rate(t) / capacity)) * dt
-        t += dt
+def _arrivals(rng: random.Random, lam: float) -> int:
+    """A Poisson draw (Knuth's method: fine for the small rates here)."""
+    n = 0
+    threshold, p = math.exp(-lam), 1.0
+    while True:
+        p *= rng.random()
+        if p <= threshold:
+            return n
+        n += 1
 
-        if t >= next_scrape:
-            next_scrape += interval
-            ready = [e for e in engines if e.ready_at <= t and not e.draining]
-            current = sum(1 for e in engines if not e.draining)
-            inc = _Counters(counters.preemptions - last.preemptions, counters.finished - last.finished,
-                            counters.prompt_tokens - last.prompt_tokens,
-                            counters.generation_tokens - last.generation_tokens)
-            last = _Counters(**asdict(counters))
-            if ready:
-                # The router queues in front of the engines: its queue counts as waiting (docs/autoscaling.md).
-                kv = min(1.0, sum(e.used_blocks for e in ready) / len(ready) / cfg.kv_blocks)
-                obs = Observation(t, len(ready), kv,
-                                  sum(len(e.waiting) for e in ready) + len(router),
-                                  sum(len(e.running) for e in ready), cfg.max_num_seqs, cfg.block_size,
-                                  float(inc.preemptions), 0.0, float(inc.finished), float(inc.prompt_tokens),
-                                  float(inc.generation_tokens))
-            else:
-                obs = Observation(t, 0, 0.0, 0, 0)
-            window = trim([*window, obs], policy, t)
-            d = decide(policy, window, current, state, t)
-            state = AutoscalerState.from_json(json.loads(json.dumps(d.state.to_json())))
-            if d.desired > current:
-                engines += [_Engine(ready_at=t + cfg.startup_s) for _ in range(d.desired - current)]
-            elif d.desired < current:
-                # Remove the least loaded (starting ones first): they drain, taking no new requests.
-                live = sorted((e for e in engines if not e.draining), key=lambda e: (e.ready_at <= t, e.open()))
-                for e in live[: current - d.desired]:
-                    e.draining = True
-                    if e.ready_at > t:
-                        engines.remove(e)
-            if d.desired != current:
-                events.append({"t": t, "from": current, "to": d.desired, "panic": d.panic, "reason": d.reason})
-            rate = cfg.rate(t - dt)     # the rate of the second just simulated
-            timeline.append({"t": t, "replicas": d.desired, "ready": len(ready), "rate": rate,
-                             "oracle": max(policy.min_replicas, math.ceil(rate / capacity)),
-                             "kv": obs.kv_cache_usage, "waiting": obs.waiting, "running": obs.running,
-                             "preemptions": inc.preemptions, "panic": d.panic, "frozen": d.frozen,
-                             "limited": d.limited})
 
+def _dispatch(router: deque[_Request], engines: list[_Engine], cfg: SimConfig, t: float) -> None:
+    """The router hands queued requests to the least loaded ready engine with a free slot."""
+    ready = [e for e in engines if e.ready_at <= t and not e.draining]
+    while router and ready:
+        target = min(ready, key=lambda e: e.open())
+        if target.open() >= cfg.max_num_seqs:
+            break
+        target.waiting.append(router.popleft())
+
+
+def _observe(engines: list[_Engine], router: deque[_Request], cfg: SimConfig, t: float,
+             inc: _Counters) -> Observation:
+    ready = [e for e in engines if e.ready_at <= t and not e.draining]
+    if not ready:
+        return Observation(t, 0, 0.0, 0, 0)
+    # The router queues in front of the engines: its queue counts as waiting (docs/autoscaling.md).
+    kv = min(1.0, sum(e.used_blocks for e in ready) / len(ready) / cfg.kv_blocks)
+    return Observation(t, len(ready), kv, sum(len(e.waiting) for e in ready) + len(router),
+                       sum(len(e.running) for e in ready), cfg.max_num_seqs, cfg.block_size,
+                       float(inc.preemptions), 0.0, float(inc.finished), float(inc.prompt_tokens),
+                       float(inc.generation_tokens))
+
+
+def _resize(engines: list[_Engine], desired: int, current: int, cfg: SimConfig, t: float) -> None:
+    if desired > current:
+        engines += [_Engine(ready_at=t + cfg.startup_s) for _ in range(desired - current)]
+    elif desired < current:
+        # Remove the least loaded (starting ones first): they drain, taking no new requests.
+        live = sorted((e for e in engines if not e.draining), key=lambda e: (e.ready_at <= t, e.open()))
+        for e in live[: current - desired]:
+            e.draining = True
+            if e.ready_at > t:
+                engines.remove(e)
+
+
+def _summary(cfg: SimConfig, policy: AutoscalingPolicy, events: list[dict[str, Any]],
+             timeline: list[dict[str, Any]], waits: list[float], counters: _Counters, capacity: float,
+             provisioned_s: float, oracle_s: float) -> dict[str, Any]:
     phases = {name: (start, end) for name, start, end in cfg.phases}
     spike_start, spike_end = phases["spike"]
     plateau_settled = phases["plateau"][0] + policy.scale_down_stabilization_s + policy.stable_window
@@ -297,8 +256,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     first_up = next((e["t"] for e in events if e["t"] >= spike_start and e["to"] > e["from"]), None)
     capacity_at = next((r["t"] for r in timeline if r["t"] >= spike_start
                         and r["ready"] >= min(need_spike, policy.max_replicas)), None)
-    waits.sort()
-    summary = {
+    waits = sorted(waits)
+    return {
         "engine_capacity_req_s": round(capacity, 3),
         "replica_seconds": provisioned_s, "oracle_replica_seconds": oracle_s,
         "over_provisioning": round(provisioned_s / oracle_s - 1, 4),
@@ -316,6 +275,66 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         "ttft_p50_s": waits[len(waits) // 2] if waits else None,
         "ttft_p95_s": waits[int(len(waits) * 0.95)] if waits else None,
     }
+
+
+def simulate(cfg: SimConfig) -> dict[str, Any]:
+    """Run the trace; returns the timeline (one row per scrape), the events and the summary numbers."""
+    rng = random.Random(cfg.seed)
+    policy = AutoscalingPolicy.from_spec(cfg.autoscaling)
+    interval = policy.interval_s
+    dt = 1.0
+    engines = [_Engine(ready_at=-math.inf) for _ in range(max(1, policy.min_replicas))]
+    router: deque[_Request] = deque()
+    counters, last = _Counters(), _Counters()
+    state = AutoscalerState()
+    window: list[Observation] = []
+    timeline: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+    waits: list[float] = []
+    provisioned_s = oracle_s = 0.0
+    capacity = cfg.engine_capacity()
+    next_scrape = interval
+    t = 0.0
+    while t < cfg.duration:
+        # Arrivals of this second, queued at the router.
+        for _ in range(_arrivals(rng, cfg.rate(t) * dt)):
+            router.append(_Request(t, _lengths(rng, cfg.prompt_mean), _lengths(rng, cfg.gen_mean)))
+        _dispatch(router, engines, cfg, t)
+        for e in engines:
+            if e.ready_at <= t:
+                _step_engine(e, cfg, t, dt, counters)
+        for e in engines:
+            for r in e.running:
+                if r.first_token is not None and not r.counted:
+                    r.counted = True
+                    waits.append(r.first_token - r.arrival)
+        engines = [e for e in engines if not (e.draining and e.open() == 0)]
+        provisioned_s += sum(1 for e in engines) * dt
+        oracle_s += max(policy.min_replicas, math.ceil(cfg.rate(t) / capacity)) * dt
+        t += dt
+        if t < next_scrape:
+            continue
+        next_scrape += interval
+        ready = [e for e in engines if e.ready_at <= t and not e.draining]
+        current = sum(1 for e in engines if not e.draining)
+        inc = _Counters(counters.preemptions - last.preemptions, counters.finished - last.finished,
+                        counters.prompt_tokens - last.prompt_tokens,
+                        counters.generation_tokens - last.generation_tokens)
+        last = _Counters(**asdict(counters))
+        obs = _observe(engines, router, cfg, t, inc)
+        window = trim([*window, obs], policy, t)
+        d = decide(policy, window, current, state, t)
+        state = AutoscalerState.from_json(json.loads(json.dumps(d.state.to_json())))
+        _resize(engines, d.desired, current, cfg, t)
+        if d.desired != current:
+            events.append({"t": t, "from": current, "to": d.desired, "panic": d.panic, "reason": d.reason})
+        rate = cfg.rate(t - dt)     # the rate of the second just simulated
+        timeline.append({"t": t, "replicas": d.desired, "ready": len(ready), "rate": rate,
+                         "oracle": max(policy.min_replicas, math.ceil(rate / capacity)),
+                         "kv": obs.kv_cache_usage, "waiting": obs.waiting, "running": obs.running,
+                         "preemptions": inc.preemptions, "panic": d.panic, "frozen": d.frozen,
+                         "limited": d.limited})
+    summary = _summary(cfg, policy, events, timeline, waits, counters, capacity, provisioned_s, oracle_s)
     return {"config": asdict(cfg), "phases": cfg.phases, "summary": summary, "events": events,
             "timeline": timeline}
 
