@@ -453,16 +453,15 @@ def _stabilize(rec: int, load: _Load, policy: AutoscalingPolicy, current: int, c
 
 def _cause(load: _Load, policy: AutoscalingPolicy, current: int, wish: int, desired: int, bounded: int,
            panicking: bool) -> str:
-    if load.idle:
-        return "idle"
-    if abs(load.ratio - 1) <= policy.tolerance and not panicking:
-        return "steady"
-    if bounded != desired or (wish > current and bounded == policy.max_replicas) or \
-            (wish < current and bounded == policy.min_replicas):
+    if bounded != current:      # a move: the signal that asked for it, unless the clamp alone moved
+        if desired == current:
+            return "bounds"
+        return "idle" if load.idle else "kv_cache" if load.kv_leads else "waiting"
+    if (wish > current and current == policy.max_replicas) or (wish < current and current == policy.min_replicas):
         return "bounds"
-    if desired == current:
-        return "stabilizing"
-    return "kv_cache" if load.kv_leads else "waiting"
+    if abs(load.ratio - 1) <= policy.tolerance and not panicking and not load.idle:
+        return "steady"
+    return "stabilizing"
 
 
 def _render(load: _Load, policy: AutoscalingPolicy, notes: list[str], wish: int, current: int, bounded: int,

@@ -11,6 +11,7 @@ polled every CANCELLATION_POLL_S, not kopf's default minute); with the operator 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from . import names
 from .kube_client import Kube
 from .reconcile import Memory, reconcile
 from .scrape import http_fetch
+from .telemetry import OperatorMetrics
 
 
 RETRY_BACKOFF_S = 5.0
@@ -43,8 +45,9 @@ def _api_client() -> k8s.ApiClient:
         return k8s_config.new_client_from_config()   # $KUBECONFIG or ~/.kube/config
 
 
-def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
-    """Attach the PagedModel handlers to `registry` (a fresh one per operator run)."""
+def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig, metrics: OperatorMetrics | None = None) -> None:
+    """Attach the PagedModel handlers to `registry` (a fresh one per operator run); each pass is counted
+    in `metrics` when given."""
     state: dict[str, Any] = {}
     memory = Memory()
     if cfg.router not in ("auto", "enabled", "disabled"):
@@ -73,8 +76,18 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig) -> None:
     def run_pass(body: Any, patch: kopf.Patch, logger: logging.Logger, scrape: bool) -> None:
         pm = {"metadata": dict(body["metadata"]), "spec": dict(body.get("spec") or {}),
               "status": dict(body.get("status") or {})}
-        outcome = reconcile(kube(), _plain(pm), router_enabled=router_enabled,
-                            fetch=http_fetch if scrape else None, bind_host=bind_host, memory=memory)
+        started = time.monotonic()
+        try:
+            outcome = reconcile(kube(), _plain(pm), router_enabled=router_enabled,
+                                fetch=http_fetch if scrape else None, bind_host=bind_host, memory=memory)
+        except Exception as exc:     # counted, then kopf retries the handler after its backoff
+            if metrics is not None:
+                metrics.record(pm["metadata"].get("namespace", ""), pm["metadata"].get("name", ""),
+                               time.monotonic() - started, None, exc)
+            raise
+        if metrics is not None:
+            metrics.record(pm["metadata"]["namespace"], pm["metadata"]["name"], time.monotonic() - started,
+                           outcome.report)
         for key, value in outcome.annotations.items():
             patch.metadata.annotations[key] = value
         for event in outcome.events:

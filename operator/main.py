@@ -5,6 +5,7 @@ import argparse
 import logging
 
 from .handlers import OperatorConfig, register
+from .telemetry import OperatorMetrics
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "nodes whose pods share a network namespace, like the e2e kubelet)")
     parser.add_argument("--liveness", metavar="URL", default=None,
                         help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="serve the operator's own Prometheus metrics on this port at /metrics (0: off)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -30,11 +33,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.status_interval <= 0:
         raise SystemExit("pagedmodel operator: --status-interval must be > 0")
+    if not 0 <= args.metrics_port <= 65535:
+        raise SystemExit(f"pagedmodel operator: --metrics-port must be in [0, 65535], not {args.metrics_port}")
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     registry = kopf.OperatorRegistry()
+    metrics = OperatorMetrics()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
     register(registry, OperatorConfig(status_interval_s=args.status_interval, router=args.router,
-                                             bind=args.pod_bind))
+                                      bind=args.pod_bind), metrics)
     namespaces = list(args.namespace)
     # standalone: one replica (Recreate) and no peering CRD, so nothing beyond our CRD must be installed.
     kopf.run(registry=registry, standalone=True, clusterwide=not namespaces, namespaces=namespaces,
