@@ -43,6 +43,7 @@ class OperatorMetrics:
                exc: BaseException | None = None) -> None:
         """One pass: `report` from its Outcome, or `exc` when it raised before returning one."""
         kind = error_kind(exc) if exc is not None else (report.error_kind if report else None)
+        self._initialise(namespace, name)
         self.passes.labels(namespace, name, "error" if kind else "ok").inc()
         self.duration.labels(namespace, name).observe(max(0.0, seconds))
         if kind:
@@ -62,6 +63,16 @@ class OperatorMetrics:
                 gauge.labels(namespace, name).set(value)
         if report.error_kind is None:
             self.limited.labels(namespace, name).set(1 if report.scaling_limited else 0)
+
+    def _initialise(self, namespace: str, name: str) -> None:
+        # Every fixed label value exists from the first pass at 0, so rate() and increase() have a
+        # series to start from and a first error or revert shows as an increase, not as a new series.
+        for outcome in ("ok", "error"):
+            self.passes.labels(namespace, name, outcome)
+        for kind in mc.ERROR_KINDS:
+            self.errors.labels(namespace, name, kind)
+        for action in mc.TUNER_ACTIONS:
+            self.tuner.labels(namespace, name, action)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
         """Serve /metrics on `port` in a daemon thread; returns the server (shutdown() stops it)."""
