@@ -38,8 +38,8 @@ class Observed:
 
     engine_replicas: the autoscaler's current choice (status.desiredReplicas) when autoscaling is on.
     tuned: engine overrides from the tuner (camelCase spec.engine keys), applied over the spec.
-    router_enabled: whether `pagedmodel router` exists in this build; without it the public Service
-    selects the engines directly and the router Deployment is kept at 0 replicas.
+    router_enabled: whether the operator deploys `pagedmodel router` (--router); without it the public
+    Service selects the engines directly and the router Deployment is kept at 0 replicas.
     bind_host: what engines and routers listen on: 0.0.0.0 on real clusters (kubectl port-forward dials
     127.0.0.1 inside the pod), "$(POD_IP)" where pods share one network namespace (the e2e kubelet).
     external_autoscaler: an HPA scales the PagedModel through its scale subresource, so spec.replicas
