@@ -451,17 +451,16 @@ def _stabilize(rec: int, load: _Load, policy: AutoscalingPolicy, current: int, c
     return step(current)
 
 
-def _cause(load: _Load, policy: AutoscalingPolicy, current: int, wish: int, desired: int, bounded: int,
-           panicking: bool) -> str:
+def _cause(load: _Load, current: int, recommendation: _Recommendation, desired: int, bounded: int,
+           policy: AutoscalingPolicy) -> str:
     if bounded != current:      # a move: the signal that asked for it, unless the clamp alone moved
         if desired == current:
             return "bounds"
         return "idle" if load.idle else "kv_cache" if load.kv_leads else "waiting"
+    wish = recommendation.wish
     if (wish > current and current == policy.max_replicas) or (wish < current and current == policy.min_replicas):
         return "bounds"
-    if abs(load.ratio - 1) <= policy.tolerance and not panicking and not load.idle:
-        return "steady"
-    return "stabilizing"
+    return "steady" if wish == current else "stabilizing"     # held: stabilization windows, pods starting
 
 
 def _render(load: _Load, policy: AutoscalingPolicy, notes: list[str], wish: int, current: int, bounded: int,
@@ -510,5 +509,5 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
                                 now if bounded > current else state.last_scale_up_time)
     return ScaleDecision(bounded, _render(load, policy, notes, recommendation.wish, current, bounded, limited,
                                           panicking), limited, panic=panicking, frozen=False,
-                         cause=_cause(load, policy, current, recommendation.wish, step.desired, bounded, panicking),
+                         cause=_cause(load, current, recommendation, step.desired, bounded, policy),
                          state=new_state, load_ratio=round(load.ratio, 4))
