@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
                         help="serve the operator's own Prometheus metrics on this port at /metrics (0: off)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", metavar="HOST",
+                        help="address the metrics port listens on (default 0.0.0.0; the chart gives the pod IP)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -40,7 +42,11 @@ def run(args: argparse.Namespace) -> int:
     registry = kopf.OperatorRegistry()
     metrics = OperatorMetrics()
     if args.metrics_port:
-        metrics.serve(args.metrics_port)
+        try:
+            metrics.serve(args.metrics_port, addr=args.metrics_host)
+        except OSError as exc:
+            raise SystemExit(f"pagedmodel operator: cannot serve metrics on {args.metrics_host}:{args.metrics_port}: "
+                             f"{exc}") from exc
     register(registry, OperatorConfig(status_interval_s=args.status_interval, router=args.router,
                                       bind=args.pod_bind), metrics)
     namespaces = list(args.namespace)

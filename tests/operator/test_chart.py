@@ -49,7 +49,7 @@ def test_default_render_is_cluster_wide_with_one_recreate_replica():
     c = operator_container(docs)
     assert c["command"] == ["pagedmodel", "operator"] and c["image"] == "ghcr.io/pagedmodel/pagedmodel:0.1.0"
     assert c["args"] == ["--all-namespaces", "--log-level=info", "--status-interval=5", "--router=auto", "--pod-bind=all",
-                         "--liveness=http://$(POD_IP):8080/healthz", "--metrics-port=8081"]
+                         "--liveness=http://$(POD_IP):8080/healthz", "--metrics-port=8081", "--metrics-host=$(POD_IP)"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 

@@ -6,6 +6,7 @@ import socket
 
 import httpx
 import kopf
+import pytest
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import generate_latest
 
@@ -109,9 +110,19 @@ def _free_port() -> int:
 def test_metrics_port_serves_the_operators_registry(monkeypatch):
     port = _free_port()
     monkeypatch.setattr(kopf, "run", lambda **kw: None)
-    assert main.run(build_parser().parse_args(["operator", f"--metrics-port={port}"])) == 0
+    assert main.run(build_parser().parse_args(["operator", f"--metrics-port={port}", "--metrics-host=127.0.0.1"])) == 0
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     assert "# HELP pagedmodel_operator_reconcile_passes_total" in text
+
+
+def test_metrics_port_in_use_fails_clearly(monkeypatch):
+    monkeypatch.setattr(kopf, "run", lambda **kw: pytest.fail("must not start"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            main.run(build_parser().parse_args(["operator", f"--metrics-port={port}", "--metrics-host=127.0.0.1"]))
 
 
 def test_bad_metrics_port_fails_clearly(monkeypatch):
