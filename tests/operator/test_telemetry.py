@@ -133,3 +133,41 @@ def test_bad_metrics_port_fails_clearly(monkeypatch):
         assert "--metrics-port must be in [0, 65535]" in str(exc)
     else:
         raise AssertionError("accepted port 70000")
+
+
+def _timer(metrics: OperatorMetrics, monkeypatch, outcome) -> None:
+    """Run the registered status timer once, with reconcile replaced by `outcome` (raise or return)."""
+    import logging
+
+    from pagedmodel.operator import handlers
+
+    monkeypatch.setattr(handlers, "reconcile", outcome)
+    monkeypatch.setattr(handlers, "Kube", lambda api: object())
+    monkeypatch.setattr(handlers, "_api_client", lambda: None)
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, handlers.OperatorConfig(), metrics)
+    (timer,) = registry._spawning.get_all_handlers()
+    body = {"metadata": {"name": "smollm2", "namespace": "ml"}, "spec": {}, "status": {}}
+    timer.fn(body=body, patch=kopf.Patch(), logger=logging.getLogger("test"))
+
+
+def test_the_timer_handler_counts_a_failed_pass_and_reraises(monkeypatch):
+    m = OperatorMetrics()
+
+    def conflict(*args, **kwargs):
+        raise ApiException(status=409, reason="Conflict")
+    with pytest.raises(ApiException):
+        _timer(m, monkeypatch, conflict)
+    assert value(m, "pagedmodel_operator_errors_total", kind="kubernetes_api") == 1
+    assert value(m, "pagedmodel_operator_reconcile_passes_total", outcome="error") == 1
+
+
+def test_the_timer_handler_counts_a_pass_with_its_report(monkeypatch):
+    from pagedmodel.operator.reconcile import Outcome
+
+    m = OperatorMetrics()
+    _timer(m, monkeypatch, lambda *a, **kw: Outcome({}, report=PassReport(scale_direction="hold",
+                                                                          scale_cause="steady", max_replicas=4)))
+    assert value(m, "pagedmodel_operator_reconcile_passes_total", outcome="ok") == 1
+    assert value(m, "pagedmodel_operator_scale_decisions_total", direction="hold", reason="steady") == 1
+    assert value(m, "pagedmodel_operator_max_replicas") == 4
