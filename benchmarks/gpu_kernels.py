@@ -12,7 +12,7 @@ Sections:
      achieved GB/s = minimum bytes a decode step must read (all K/V of every context, plus q and
      the output) / median device time per call (CUDA-graph replays cycling over enough distinct
      caches to defeat L2), and its share of the device peak (4.8 TB/s on an H200);
-  3. end to end: engine tokens/s (``pagedmodel.server.llm.LLM``) on SmolLM2-135M in bf16 against
+  3. end to end: engine tokens/s (``pagedmodel.server.engine.llm.LLM``) on SmolLM2-135M in bf16 against
      HF ``generate`` on the same device and prompts, plus how far their greedy tokens agree;
   4. CUDA graphs: engine tokens/s with decode replayed from CUDA graphs against ``enforce_eager``,
      at decode batch sizes {1, 8, 32, 128} (SmolLM2-135M, bf16), plus capture time and memory.
@@ -308,8 +308,8 @@ PROMPT_STEMS = [
 def run_e2e(device: torch.device, dry: bool, model: str | None, num_prompts: int | None,
             max_tokens: int | None) -> dict[str, Any]:
     try:
-        from pagedmodel.server.llm import LLM
-        from pagedmodel.server.sampling_params import SamplingParams
+        from pagedmodel.server.engine.llm import LLM
+        from pagedmodel.server.engine.sampling_params import SamplingParams
     except ImportError as exc:
         return {"skipped": f"engine not importable: {exc}"}
     model, skipped = _resolve_model(model, dry)
@@ -378,7 +378,7 @@ def _resolve_model(model: str | None, dry: bool) -> tuple[str | None, str | None
     if dry:
         return None, "dry run without --model (pass a tiny model dir)"
     try:
-        from pagedmodel.server.model_store import resolve_model
+        from pagedmodel.server.engine.model_store import resolve_model
 
         return str(resolve_model(None)), None
     except Exception as exc:
@@ -423,9 +423,9 @@ def run_graphs(device: torch.device, dry: bool, model: str | None, batches: list
     the graphs are the CPU stand-in (``PAGEDMODEL_CUDA_GRAPHS=emulate``): it proves the path runs,
     not that it is fast."""
     try:
-        from pagedmodel.server.cuda_graph_runner import GRAPHS_ENV
-        from pagedmodel.server.llm import LLM
-        from pagedmodel.server.sampling_params import SamplingParams
+        from pagedmodel.server.engine.cuda_graph_runner import GRAPHS_ENV
+        from pagedmodel.server.engine.llm import LLM
+        from pagedmodel.server.engine.sampling_params import SamplingParams
     except ImportError as exc:
         return {"skipped": f"engine not importable: {exc}"}
     model, skipped = _resolve_model(model, dry)

@@ -15,9 +15,9 @@ import argparse
 import json
 import time
 
-from pagedmodel.server.config import EngineArgs
-from pagedmodel.server.engine import LLMEngine
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.args import EngineArgs
+from pagedmodel.server.engine.llm_engine import LLMEngine
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
 BLOCK = 16
 

@@ -28,8 +28,8 @@ def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> 
 
 
 def bench_ours(model_dir, prompts, output_len, dtype, block_size) -> float:
-    from pagedmodel.server.llm import LLM
-    from pagedmodel.server.sampling_params import SamplingParams
+    from pagedmodel.server.engine.llm import LLM
+    from pagedmodel.server.engine.sampling_params import SamplingParams
 
     llm = LLM(str(model_dir), device="cpu", dtype=dtype, block_size=block_size)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -89,7 +89,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from pagedmodel.server.model_store import resolve_model
+    from pagedmodel.server.engine.model_store import resolve_model
 
     model_dir = resolve_model(args.model)
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -12,24 +12,20 @@ import argparse
 import asyncio
 import json
 import resource
-import socket
-import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import free_port  # noqa: E402  (tests/support.py: shared with the tests)
+
 COMPLETION = {"id": "cmpl-x", "object": "text_completion", "created": 0, "model": "fast",
               "choices": [{"index": 0, "text": " ok", "finish_reason": "stop", "logprobs": None}],
               "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the upstream (run in its own process with --serve-upstream) -------------------------------
@@ -143,7 +139,7 @@ def pct(xs: list[float], q: float) -> float:
 async def run(args: argparse.Namespace) -> dict:
     up_port, router_port = free_port(), free_port()
     up = subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up_port)])
-    router = subprocess.Popen([sys.executable, "-m", "pagedmodel.server.cli", "router", "--upstream",
+    router = subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", "router", "--upstream",
                                f"http://127.0.0.1:{up_port}", "--host", "127.0.0.1", "--port", str(router_port),
                                "--strategy", "least-load", "--log-level", "warning"])
     direct, routed = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"

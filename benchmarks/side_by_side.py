@@ -36,6 +36,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import stop_process, wait_healthy  # noqa: E402  (tests/support.py: shared with the tests)
+
 WORDS = ("serving memory block cache token batch request latency kernel scheduler prefix model the a of and to in "
          "is for with on as by paged attention throughput queue answer question please explain why how what "
          "when where which city river history science music language number example because").split()
@@ -79,8 +82,8 @@ def describe(reqs: list[Req]) -> str:
 # ------------------------------------------------------------------ offline engines
 
 def run_ours(model_dir: str, reqs: list[Req], args, prefix_caching: bool) -> dict:
-    from pagedmodel.server.llm import LLM
-    from pagedmodel.server.sampling_params import SamplingParams
+    from pagedmodel.server.engine.llm import LLM
+    from pagedmodel.server.engine.sampling_params import SamplingParams
 
     llm = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048,
               enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager)
@@ -96,8 +99,8 @@ def step_overhead(model_dir: str, args) -> dict:
     """Per-step overhead -- scheduler, block manager, input preparation, sampling, detokenization:
     everything but the model's forward and logits -- in decode steps of 1, 64 and 256 running
     100-token sequences (an engine of its own, max-num-seqs 256)."""
-    from pagedmodel.server.llm import LLM
-    from pagedmodel.server.sampling_params import SamplingParams
+    from pagedmodel.server.engine.llm import LLM
+    from pagedmodel.server.engine.sampling_params import SamplingParams
 
     engine = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=256, max_model_len=2048,
                  enforce_eager=args.enforce_eager).engine
@@ -206,32 +209,16 @@ def vllm_worker(src: str, dst: str) -> None:
 
 # ------------------------------------------------------------------ serving
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before becoming healthy")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server at {url} not healthy after {timeout:.0f} s")
-
-
 def serve_and_bench(cmd: list[str], env: dict, port: int, dataset: Path, args, log: Path) -> list[dict]:
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     results = []
     try:
-        _wait_healthy(url, proc, args.serve_startup_timeout)
+        wait_healthy(url, proc, args.serve_startup_timeout, log, interval=1.0)
         for rate in args.serve_rates:
             with tempfile.NamedTemporaryFile(suffix=".json") as res:
-                subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "bench", "serve", "--base-url", url,
+                subprocess.run([sys.executable, "-m", "pagedmodel.cli", "bench", "serve", "--base-url", url,
                                 "--dataset-path", str(dataset), "--num-prompts", str(args.serve_prompts),
                                 "--request-rate", str(rate), "--percentiles", "50,99", "--no-progress",
                                 "--json", res.name], check=True, capture_output=True, text=True)
@@ -242,11 +229,7 @@ def serve_and_bench(cmd: list[str], env: dict, port: int, dataset: Path, args, l
                             "tpot_p50_ms": r["tpot_ms"]["p50"], "tpot_p99_ms": r["tpot_ms"]["p99"]})
             print(f"    rate {rate}: {results[-1]}", flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
     return results
 
 
@@ -257,7 +240,7 @@ def run_serving(model_dir: str, reqs: list[Req], tokenizer, args) -> dict:
     threads = {"OMP_NUM_THREADS": str(args.threads)}
     out = {}
     print("  serving: pagedmodel serve", flush=True)
-    ours = [sys.executable, "-m", "pagedmodel.server.cli", "serve", "--model", model_dir, "--port", "8911",
+    ours = [sys.executable, "-m", "pagedmodel.cli", "serve", "--model", model_dir, "--port", "8911",
             "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"]
     out["ours"] = serve_and_bench(ours, {**os.environ, **threads}, 8911, dataset, args, dataset.with_name("ours.log"))
     if args.vllm_venv:
@@ -311,7 +294,7 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from pagedmodel.server.model_store import resolve_model
+    from pagedmodel.server.engine.model_store import resolve_model
 
     torch.set_num_threads(args.threads)
     model_dir = str(resolve_model(args.model))

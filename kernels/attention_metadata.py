@@ -13,7 +13,7 @@ Context token ``p`` of sequence ``i`` lives in physical block
 padded with 0 past each sequence's last block (never read there).
 
 Device tensors are the truth; the host lists only shape launches. Under a CUDA-graph capture
-(``server/cuda_graph_runner.py``) the host lists are fixed when the graph is recorded while the
+(``server/engine/cuda_graph_runner.py``) the host lists are fixed when the graph is recorded while the
 device tensors change on every replay, so there ``seq_lens_cpu`` holds an *upper bound* (the
 max model length) and kernels must read exact lengths from ``seq_lens`` / ``query_start_loc``,
 using the host copies only for grid sizes, gather widths and tuning (e.g. the split count).

@@ -14,7 +14,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from pagedmodel.server.model_store import resolve_model
+    from pagedmodel.server.engine.model_store import resolve_model
 
     return resolve_model(None)
 

@@ -70,7 +70,7 @@ def make_tiny_model_dir(
         raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
     config_cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]
     if tokenizer_dir is None:
-        from pagedmodel.server.model_store import resolve_model
+        from pagedmodel.server.engine.model_store import resolve_model
 
         tokenizer_dir = resolve_model(None)
     tokenizer_dir = Path(tokenizer_dir)

@@ -41,7 +41,7 @@ def operator(cluster, namespace: str, log: Path, router: str = "disabled") -> It
     """`pagedmodel operator` for one namespace; SIGTERM (then SIGKILL) on exit."""
     env = dict(cluster.env(), OMP_NUM_THREADS="1")
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.server.cli", "operator", "-n", namespace,
+        proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", "operator", "-n", namespace,
                                  "--status-interval", "1", "--router", router,
                                  # local pods share the host's network: each must bind only its own address
                                  "--pod-bind", "pod-ip" if cluster.is_local else "all"],

@@ -62,7 +62,7 @@ def test_local_kubeconfig_acts_as_the_pods_service_account(cluster, namespace, l
 def test_in_cluster_client_lists_pods_from_inside_a_pod(cluster, namespace, local_node):
     """The router's discovery code, run in a pod, reaches the API with the pod's credentials and infers the
     pod's namespace (local only: the test image on a real node does not carry pagedmodel)."""
-    code = ("import sys; from pagedmodel.server.router_discovery import PodDiscovery, current_namespace; "
+    code = ("import sys; from pagedmodel.server.router.discovery import PodDiscovery, current_namespace; "
             "ns = current_namespace(); d = PodDiscovery('app=peer', ns, print); d.connect(); "
             "pods = d._api.list_namespaced_pod(ns, label_selector='app=peer').items; "
             "print(ns, sorted(p.metadata.name for p in pods))")

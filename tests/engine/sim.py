@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import random
 
-from pagedmodel.server.block_manager import BlockManager
-from pagedmodel.server.outputs import RequestMetrics
-from pagedmodel.server.sampling_params import SamplingParams
-from pagedmodel.server.scheduler import Scheduler, SchedulerOutput
-from pagedmodel.server.sequence import SequenceGroup, SequenceStatus
+from pagedmodel.server.engine.block_manager import BlockManager
+from pagedmodel.server.engine.outputs import RequestMetrics
+from pagedmodel.server.engine.sampling_params import SamplingParams
+from pagedmodel.server.engine.scheduler import Scheduler, SchedulerOutput
+from pagedmodel.server.engine.sequence import SequenceGroup, SequenceStatus
 
 
 class Sim:

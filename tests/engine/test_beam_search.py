@@ -1,4 +1,4 @@
-"""Beam search decisions (server/beam_search.py) against HF transformers' `generate(num_beams=...)`.
+"""Beam search decisions (server/engine/beam_search.py) against HF transformers' `generate(num_beams=...)`.
 
 Three layers:
 * hand-made logprob tables pin each rule: which candidates survive, which EOS candidates become
@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from pagedmodel.server.beam_search import BeamCandidate, BeamHypothesis, BeamSearch
+from pagedmodel.server.engine.beam_search import BeamCandidate, BeamHypothesis, BeamSearch
 
 EOS = 0
 VOCAB = 8

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedmodel.server.block_manager import BlockManager
-from pagedmodel.server.sequence import Sequence
+from pagedmodel.server.engine.block_manager import BlockManager
+from pagedmodel.server.engine.sequence import Sequence
 
 BS = 4
 NUM_BLOCKS = 24

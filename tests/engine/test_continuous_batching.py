@@ -1,9 +1,9 @@
 """Iteration-level batching: arrivals join at the next step; finished requests free blocks at once."""
 from __future__ import annotations
 
-from pagedmodel.server.config import EngineArgs
-from pagedmodel.server.engine import LLMEngine
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.args import EngineArgs
+from pagedmodel.server.engine.llm_engine import LLMEngine
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

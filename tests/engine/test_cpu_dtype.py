@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedmodel.kernels.cpu_features import cpu_flags, has_native_bf16
-from pagedmodel.server.engine import _pick_dtype
+from pagedmodel.server.engine.llm_engine import _pick_dtype
 
 AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma bmi2\nbugs\t\t: sysret_ss_attrs\n"
 SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8\n"

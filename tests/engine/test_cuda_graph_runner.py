@@ -15,12 +15,12 @@ import torch
 
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import TORCH_BACKEND
-from pagedmodel.server.cuda_graph_runner import (
+from pagedmodel.server.engine.cuda_graph_runner import (
     GRAPHS_ENV, CudaGraphBackend, CUDAGraphRunner, EmulatedGraphBackend, capture_sizes, select_graph_backend,
 )
-from pagedmodel.server.llm import LLM
-from pagedmodel.server.model_runner import ModelRunner
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.llm import LLM
+from pagedmodel.server.engine.model_runner import ModelRunner
+from pagedmodel.server.engine.sampling_params import SamplingParams
 from tiny_models import make_tiny_model_dir
 
 BLOCK_SIZE = 8

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedmodel.server.detokenizer import detokenize_incrementally, init_offsets
-from pagedmodel.server.sequence import Sequence
+from pagedmodel.server.engine.detokenizer import detokenize_incrementally, init_offsets
+from pagedmodel.server.engine.sequence import Sequence
 
 pytestmark = pytest.mark.model
 

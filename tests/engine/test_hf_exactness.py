@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedmodel.server.config import EngineArgs
-from pagedmodel.server.engine import LLMEngine
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.args import EngineArgs
+from pagedmodel.server.engine.llm_engine import LLMEngine
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 

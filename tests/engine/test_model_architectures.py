@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedmodel.server.llm import LLM
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.llm import LLM
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 

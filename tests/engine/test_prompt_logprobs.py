@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from pagedmodel.server.llm import LLM
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.llm import LLM
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(10, 47))
 

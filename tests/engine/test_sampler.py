@@ -6,10 +6,10 @@ from collections import Counter
 
 import torch
 
-from pagedmodel.server.config import EngineArgs
-from pagedmodel.server.engine import LLMEngine
-from pagedmodel.server.sampler import SamplingRow, sample
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.args import EngineArgs
+from pagedmodel.server.engine.llm_engine import LLMEngine
+from pagedmodel.server.engine.sampler import SamplingRow, sample
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
 
 def draw(logits: list[float], n: int, **params) -> Counter:

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedmodel.server.config import EngineArgs
-from pagedmodel.server.engine import InvalidRequestError, LLMEngine
-from pagedmodel.server.llm import LLM
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.args import EngineArgs
+from pagedmodel.server.engine.llm_engine import InvalidRequestError, LLMEngine
+from pagedmodel.server.engine.llm import LLM
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(3, 23))
 
@@ -89,7 +89,7 @@ def test_too_long_prompt_message_states_limit_and_length(llm):
 
 
 def test_kv_cache_smaller_than_max_model_len_is_a_config_error(wordlevel_llama_dir):
-    from pagedmodel.server.config import ConfigError
+    from pagedmodel.server.engine.args import ConfigError
 
     with pytest.raises(ConfigError, match="fewer than --max-model-len"):
         LLMEngine(EngineArgs(model=str(wordlevel_llama_dir), device="cpu", block_size=8, max_model_len=256,

@@ -13,9 +13,9 @@ import math
 import pytest
 
 from pagedmodel.kernels.backend import BACKEND_ENV
-from pagedmodel.server.cuda_graph_runner import GRAPHS_ENV
-from pagedmodel.server.llm import LLM
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.cuda_graph_runner import GRAPHS_ENV
+from pagedmodel.server.engine.llm import LLM
+from pagedmodel.server.engine.sampling_params import SamplingParams
 from tiny_models import make_tiny_model_dir
 
 PROMPTS = ["The capital of France is", "Hi", "One two three four five six seven", "a b", "Once upon a time"]

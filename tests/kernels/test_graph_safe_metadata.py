@@ -1,7 +1,7 @@
 """Both attention backends stay exact when the metadata's host lists are only upper bounds.
 
 A captured decode graph fixes the host lists at capture (``seq_lens_cpu`` = max model length for
-every row, see server/cuda_graph_runner.py) while the device tensors change on every replay. So
+every row, see server/engine/cuda_graph_runner.py) while the device tensors change on every replay. So
 the kernels may take grid sizes, gather widths and the split count from the host lists but must
 take every length that decides the result from ``seq_lens``. Padding rows as the graph runner
 makes them (slot -1, length 1, table row pointing at block 0) must not disturb the real rows.

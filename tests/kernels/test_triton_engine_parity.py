@@ -15,8 +15,8 @@ import math
 import pytest
 
 from pagedmodel.kernels.backend import BACKEND_ENV
-from pagedmodel.server.llm import LLM
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.llm import LLM
+from pagedmodel.server.engine.sampling_params import SamplingParams
 from tiny_models import make_tiny_model_dir
 
 PROMPTS = [

@@ -18,18 +18,12 @@ class FakeClock:
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from pagedmodel.server.router import RouterApp, RouterConfig, serve
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedmodel.server.router.app import RouterApp, RouterConfig, serve
+from support import free_port
 
 
 class FakeUpstream:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedmodel.server.router_admission import RateLimiter, TokenBucket, retry_after_seconds
+from pagedmodel.server.router.admission import RateLimiter, TokenBucket, retry_after_seconds
 
 from fakes import FakeClock
 

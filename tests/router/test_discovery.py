@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from kubernetes import client
 
-from pagedmodel.server.router_discovery import PodDiscovery, upstreams_from_pods
+from pagedmodel.server.router.discovery import PodDiscovery, upstreams_from_pods
 
 
 def pod(name: str, ip: str | None, ready: bool = True, terminating: bool = False, port: int | None = 8000) -> dict:

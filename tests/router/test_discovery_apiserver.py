@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client, config  # noqa: E402
 
 from e2e.kube.local_cluster import KubeCluster  # noqa: E402
-from pagedmodel.server.router_discovery import PodDiscovery  # noqa: E402
+from pagedmodel.server.router.discovery import PodDiscovery  # noqa: E402
 
 
 def _wait(pred, timeout: float = 15.0) -> None:

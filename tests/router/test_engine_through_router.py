@@ -2,49 +2,22 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from fakes import free_port
+from support import free_port, stop_process, wait_healthy
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "pagedmodel.server.cli", *args], stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", *args], stdout=out,
                                 stderr=subprocess.STDOUT, env=env)
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready:\n{log.read_text(errors='replace')}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +30,15 @@ def engine_and_router(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFac
                      "--served-model-name", "tiny-smol"], logs / "engine.log")
     router = None
     try:
-        _wait_ready(engine, engine_url, logs / "engine.log")
+        wait_healthy(engine_url, engine, 180, logs / "engine.log")
         router = _start(["router", "--upstream", engine_url, "--host", "127.0.0.1", "--port", str(rport),
                          "--rate-limit", "100", "--burst", "100"], logs / "router.log")
-        _wait_ready(router, router_url, logs / "router.log", timeout=60)
+        wait_healthy(router_url, router, 60, logs / "router.log")
         yield engine_url, router_url
     finally:
         if router is not None:
-            _stop(router)
-        _stop(engine)
+            stop_process(router)
+        stop_process(engine)
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -280,7 +280,7 @@ def test_no_upstream_ready_waits_in_queue_until_one_returns():
     (["--upstream", "http://x:1", "--burst", "3"], "--burst needs --rate-limit"),
 ])
 def test_cli_refuses_with_exit_2(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "router", *argv],
+    proc = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "router", *argv],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stdout + proc.stderr
 
@@ -288,13 +288,13 @@ def test_cli_refuses_with_exit_2(argv, message):
 def test_discover_without_kubernetes_credentials_exits_2(tmp_path):
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
     env.update(HOME=str(tmp_path), KUBECONFIG=str(tmp_path / "none"))
-    proc = subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "router", "--discover", "app=x"],
+    proc = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "router", "--discover", "app=x"],
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "kube" in (proc.stdout + proc.stderr).lower()
 
 
 def test_cli_argument_validation():
-    proc = subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "router", "--upstream", "http://x:1",
+    proc = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "router", "--upstream", "http://x:1",
                            "--rate-limit", "-1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "must be a positive number" in proc.stderr
 
@@ -305,9 +305,9 @@ def test_cli_serves_and_exits_0_on_sigterm(tmp_path):
 
     import httpx
 
-    from fakes import free_port
+    from support import free_port
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.server.cli", "router", "--upstream",
+    proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", "router", "--upstream",
                              "http://127.0.0.1:9", "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -337,7 +337,7 @@ def test_cli_serves_and_exits_0_on_sigterm(tmp_path):
     ({}, ""),
 ])
 def test_prefix_key_of_request_bodies(body, key):
-    from pagedmodel.server.router import _prompt_key
+    from pagedmodel.server.router.app import _prompt_key
     assert _prompt_key(body) == key
 
 

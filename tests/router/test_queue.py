@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from pagedmodel.server.router_queue import AdmissionQueue, QueueFull, QueueTimeout
+from pagedmodel.server.router.queue import AdmissionQueue, QueueFull, QueueTimeout
 from fakes import FakeClock
 
 

@@ -5,7 +5,7 @@ import collections
 
 import pytest
 
-from pagedmodel.server.router_strategies import (PrefixAffinity, RoundRobin, Router, UpstreamView, kv_score,
+from pagedmodel.server.router.strategies import (PrefixAffinity, RoundRobin, Router, UpstreamView, kv_score,
                                                  pick_kv_aware, pick_least_load)
 
 A, B, C = "http://a:8000", "http://b:8000", "http://c:8000"

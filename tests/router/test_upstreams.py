@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedmodel.server.router_upstreams import UpstreamPool, normalise_url
+from pagedmodel.server.router.upstreams import UpstreamPool, normalise_url
 
 from fakes import FakeClock
 

@@ -11,7 +11,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ServerProcess, parse_metrics, wait_until
+from support import wait_until
+
+from .conftest import ServerProcess, parse_metrics
 
 MODEL = "small"
 LBL = '{model_name="small"}'

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedmodel.server import model_store
-from pagedmodel.server.model_store import (
+from pagedmodel.server.engine import model_store
+from pagedmodel.server.engine.model_store import (
     MARKER_FILE,
     SMOLLM2,
     ModelNotAvailableError,
@@ -331,7 +331,7 @@ def test_leftovers_of_a_crashed_build_are_cleaned(fake_wheel: FakeWheel, cache: 
 
 _PREPARE_SCRIPT = """
 import json, sys
-from pagedmodel.server.model_store import WheelGGUFSource, prepare_model
+from pagedmodel.server.engine.model_store import WheelGGUFSource, prepare_model
 print(prepare_model(WheelGGUFSource(**json.loads(sys.argv[1]))))
 """
 
@@ -422,7 +422,7 @@ def test_malformed_model_name_is_a_clear_error() -> None:
 def test_hub_id_offline_is_a_clear_error(tmp_path: Path) -> None:
     # huggingface_hub reads HF_HUB_OFFLINE at import: use a fresh interpreter, never the network.
     code = (
-        "from pagedmodel.server.model_store import resolve_model, ModelNotAvailableError\n"
+        "from pagedmodel.server.engine.model_store import resolve_model, ModelNotAvailableError\n"
         "try:\n    resolve_model('some-org/some-model')\n"
         "except ModelNotAvailableError as e:\n    print('ERR', e)\n"
     )
@@ -443,7 +443,7 @@ def test_default_model_name() -> None:
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pagedmodel.server.cli", "models", *args],
+        [sys.executable, "-m", "pagedmodel.cli", "models", *args],
         env={**os.environ, **env}, capture_output=True, text=True, timeout=600,
     )
 

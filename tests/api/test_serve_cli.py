@@ -9,7 +9,7 @@ import pytest
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pagedmodel.cli", *args], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -2,7 +2,7 @@
 
 The engine is not thread-safe, so only the loop thread ever touches it. Handlers read the RequestOutputs
 on the event loop while the engine runs on: this relies on the engine handing out objects it never
-mutates afterwards (LLMEngine builds fresh lists for every step's outputs; tests/server checks that),
+mutates afterwards (LLMEngine builds fresh lists for every step's outputs; tests/api checks that),
 which spares a second O(sequence length) copy per request per step here. Handlers talk to that thread
 through a command queue (add / abort) and get their outputs back on per-request asyncio queues, posted
 with `call_soon_threadsafe`. Commands are drained before every step, so an abort (a client that went
@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagedmodel.server.outputs import RequestOutput
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.engine.outputs import RequestOutput
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
-logger = logging.getLogger("pagedmodel.server.async_engine")
+logger = logging.getLogger("pagedmodel.server.api.async_engine")
 
 
 class EngineDeadError(RuntimeError):

@@ -3,11 +3,11 @@
 Per request: rate limit (429) -> free upstream slot now, else the bounded priority queue
 (503 when full or timed out) -> strategy picks the upstream -> the response is streamed back
 chunk by chunk. A connection failure before any response byte is retried on another upstream;
-an upstream failing repeatedly is ejected and re-probed (router_upstreams). Mid-stream failures
+an upstream failing repeatedly is ejected and re-probed (upstreams.py). Mid-stream failures
 end an SSE stream with an OpenAI-style error event, which the `openai` SDK raises as APIError.
 
 Upstreams come from `--upstream URL` (static) or `--discover SELECTOR` (Ready pods, watched via
-the Kubernetes API; see router_discovery).
+the Kubernetes API; see discovery.py).
 
 The router's own `/health` answers 200 whenever the router serves, even with no upstream ready:
 requests then wait in the queue (up to --queue-timeout), which is what scale-from-zero needs.
@@ -27,13 +27,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pagedmodel.server.errors import APIError
-from pagedmodel.server.router_admission import RateLimiter
-from pagedmodel.server.router_discovery import PodDiscovery, current_namespace
-from pagedmodel.server.router_metrics import RouterMetrics
-from pagedmodel.server.router_queue import AdmissionQueue, QueueFull, QueueTimeout, Ticket
-from pagedmodel.server.router_strategies import STRATEGIES, Router
-from pagedmodel.server.router_upstreams import Upstream, UpstreamPool, scrape_once
+from pagedmodel.server.api.errors import APIError
+from .admission import RateLimiter
+from .discovery import PodDiscovery, current_namespace
+from .metrics import RouterMetrics
+from .queue import AdmissionQueue, QueueFull, QueueTimeout, Ticket
+from .strategies import STRATEGIES, Router
+from .upstreams import Upstream, UpstreamPool, scrape_once
 
 logger = logging.getLogger("pagedmodel.router")
 

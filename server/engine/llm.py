@@ -4,8 +4,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from .config import EngineArgs
-from .engine import LLMEngine
+from .args import EngineArgs
+from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import ServerProcess, wait_until
+from support import wait_until
+
+from .conftest import ServerProcess
 
 
 def _stream_in_background(srv: ServerProcess, max_tokens: int) -> tuple[threading.Thread, list[str], threading.Event]:

@@ -12,12 +12,12 @@ import sys
 
 # subcommand -> (module, help). Each module exposes add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("pagedmodel.server.api_server", "serve a model over the OpenAI-compatible HTTP API"),
-    "generate": ("pagedmodel.server.generate_cli", "generate text offline from prompts (no HTTP)"),
-    "models": ("pagedmodel.server.model_store", "prepare models offline (`models pull`)"),
-    "router": ("pagedmodel.server.router", "rate-limiting, KV-aware router in front of engine replicas"),
+    "serve": ("pagedmodel.server.api.serve", "serve a model over the OpenAI-compatible HTTP API"),
+    "generate": ("pagedmodel.generate", "generate text offline from prompts (no HTTP)"),
+    "models": ("pagedmodel.server.engine.model_store", "prepare models offline (`models pull`)"),
+    "router": ("pagedmodel.server.router.app", "rate-limiting, KV-aware router in front of engine replicas"),
     "operator": ("pagedmodel.operator.main", "run the PagedModel Kubernetes operator"),
-    "bench": ("pagedmodel.server.bench", "load-test a running server (`bench serve`)"),
+    "bench": ("pagedmodel.bench", "load-test a running server (`bench serve`)"),
 }
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       model_serializer)
 
-from pagedmodel.server.sampling_params import SamplingParams, SamplingParamsError
+from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 
 Number = Union[StrictFloat, StrictInt]
 MAX_PROMPTS_PER_REQUEST = 64   # a completions `prompt` list; each entry is its own engine request

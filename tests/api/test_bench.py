@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from pagedmodel.server.bench import RequestResult, _stats, arrival_delays, jsonl_requests, summarize, synthetic_requests
+from pagedmodel.bench import RequestResult, _stats, arrival_delays, jsonl_requests, summarize, synthetic_requests
 
 from .conftest import API_KEY, ServerProcess
 
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pagedmodel.server.cli", "bench", "serve", "--no-progress", *args],
+    return subprocess.run([sys.executable, "-m", "pagedmodel.cli", "bench", "serve", "--no-progress", *args],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedmodel.server.router_admission import Clock, retry_after_seconds
+from .admission import Clock, retry_after_seconds
 
 
 class QueueFull(Exception):

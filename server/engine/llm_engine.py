@@ -20,7 +20,7 @@ from pagedmodel.kernels.cpu_features import has_native_bf16
 from .beam_group import BeamGroup
 from .beam_search import BeamSearch
 from .block_manager import BlockManager
-from .config import ConfigError, EngineArgs
+from .args import ConfigError, EngineArgs
 from .detokenizer import detokenize_incrementally, init_offsets
 from .kv_cache import CPU_DEFAULT_KV_BYTES, KVCache, bytes_per_block
 from .model_runner import ModelRunner

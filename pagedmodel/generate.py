@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError, EngineArgs
-from .sampling_params import SamplingParams, SamplingParamsError
+from pagedmodel.server.engine.args import ConfigError, EngineArgs
+from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .llm import LLM
-    from .model_store import ModelNotAvailableError
+    from pagedmodel.server.engine.llm import LLM
+    from pagedmodel.server.engine.model_store import ModelNotAvailableError
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

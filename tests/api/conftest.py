@@ -6,11 +6,8 @@ the SmolLM2 tokenizer and chat template, so tokenization and templates are real 
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,13 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+from support import free_port, stop_process, wait_healthy, wait_until
+
 API_KEY = "test-key-123"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -37,11 +30,11 @@ class ServerProcess:
     """`pagedmodel serve` in a subprocess; logs go to a file the tests can read."""
 
     def __init__(self, model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None):
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        args = [sys.executable, "-m", "pagedmodel.server.cli", "serve", "--model", str(model_dir),
+        args = [sys.executable, "-m", "pagedmodel.cli", "serve", "--model", str(model_dir),
                 "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port), *extra]
         if api_key:
             args += ["--api-key", api_key]
@@ -50,17 +43,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+        wait_healthy(self.base_url, self.proc, timeout, self.log_path)
+        return self
 
     def log(self) -> str:
         if not self._log.closed:
@@ -81,15 +65,9 @@ class ServerProcess:
         raise RuntimeError("no VmRSS")
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        code = stop_process(self.proc, timeout)
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -104,15 +82,6 @@ def parse_metrics(text: str) -> dict[str, float]:
         if "{" in key and "le=" not in key:
             out[bare] = out.get(bare, 0.0) + float(value)
     return out
-
-
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")
@@ -138,13 +107,13 @@ class InProcessServer:
     """build_app + uvicorn on a thread, around an LLMEngine the test can reach into (e.g. to break it)."""
 
     def __init__(self, model_dir: Path, **engine_overrides: Any):
-        from pagedmodel.server.config import EngineArgs
-        from pagedmodel.server.engine import LLMEngine
+        from pagedmodel.server.engine.args import EngineArgs
+        from pagedmodel.server.engine.llm_engine import LLMEngine
 
         kw = dict(model=str(model_dir), device="cpu", max_model_len=128, kv_cache_memory=4 << 20)
         kw.update(engine_overrides)
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "InProcessServer":
@@ -152,7 +121,8 @@ class InProcessServer:
 
         import uvicorn
 
-        from pagedmodel.server.api_server import ServerConfig, build_app
+        from pagedmodel.server.api.app import build_app
+        from pagedmodel.server.api.serving import ServerConfig
 
         self.app = build_app(self.engine, ServerConfig(served_model_name=self.engine.model_name))
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))

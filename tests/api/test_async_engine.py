@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from pagedmodel.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, SubRequest
-from pagedmodel.server.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedmodel.server.sampling_params import SamplingParams
+from pagedmodel.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError, SubRequest
+from pagedmodel.server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedmodel.server.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -171,8 +171,8 @@ def test_dead_loop_fails_waiting_requests_and_refuses_new_ones() -> None:
 
 def test_real_engine_outputs_are_not_mutated_by_later_steps(server_model_dir) -> None:
     """AsyncEngine hands outputs to other threads as they are: the engine must not touch them afterwards."""
-    from pagedmodel.server.config import EngineArgs
-    from pagedmodel.server.engine import LLMEngine
+    from pagedmodel.server.engine.args import EngineArgs
+    from pagedmodel.server.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(server_model_dir), device="cpu", max_model_len=64,
                                                    kv_cache_memory=1 << 20))

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import httpx
 
-from .conftest import InProcessServer, wait_until
+from support import wait_until
+
+from .conftest import InProcessServer
 
 PROMPT = {"prompt": "hello", "max_tokens": 2}
 

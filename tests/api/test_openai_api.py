@@ -5,7 +5,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import API_KEY, ServerProcess, wait_until
+from support import wait_until
+
+from .conftest import API_KEY, ServerProcess
 
 MODEL = "tiny-smol"
 

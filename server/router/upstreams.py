@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedmodel.server.router_admission import Clock
-from pagedmodel.server.router_strategies import UpstreamView
+from .admission import Clock
+from .strategies import UpstreamView
 
 logger = logging.getLogger("pagedmodel.router")
 

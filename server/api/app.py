@@ -1,0 +1,118 @@
+"""The FastAPI app in front of one LLMEngine: routes, API-key check and the request log.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
+GET /health, GET /metrics.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, install_error_handlers
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .protocol import ModelCard, ModelList
+from .serving import OpenAIServing, ServerConfig
+
+logger = logging.getLogger("pagedmodel.server.api")
+
+
+class RequestLogMiddleware:
+    """One INFO line per request once its response body is complete (streams included)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]):
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [0]
+        logged = [False]
+
+        def log(note: str = "") -> None:
+            logged[0] = True
+            info = scope.get("state", {}).get("log_info", "")
+            client = scope.get("client") or ("-", 0)
+            logger.info("%s %s %s %d %.1fms %s%s", client[0], scope["method"], scope["path"], status[0],
+                        (time.perf_counter() - start) * 1000, info, note)
+
+        async def logging_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                log()
+        try:
+            await self.app(scope, receive, logging_send)
+        finally:
+            if not logged[0]:   # the body never completed: the client went away mid-stream
+                log(" (client disconnected)")
+
+
+def build_app(engine: Any, config: ServerConfig) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine loop thread runs for the app's lifespan."""
+    serving = OpenAIServing(engine, config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        serving.async_engine.start()
+        try:
+            yield
+        finally:
+            serving.close()
+
+    app = FastAPI(title="pagedmodel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = serving
+    install_error_handlers(app)
+    if config.log_requests:
+        app.add_middleware(RequestLogMiddleware)
+
+    def check_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                           code="invalid_api_key")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_key(request)
+        return await create_completion(serving, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_key(request)
+        return await create_chat_completion(serving, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_key(request)
+        card = ModelCard(id=serving.model_name, root=config.model_root or serving.model_name,
+                         max_model_len=serving.max_model_len)
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not serving.async_engine.is_healthy:
+            raise APIError(503, f"engine is not running: {serving.async_engine.dead_reason}", code="engine_dead")
+        if serving.draining:
+            raise APIError(503, "server is shutting down", code="shutting_down")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    return app

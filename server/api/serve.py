@@ -1,0 +1,95 @@
+"""`pagedmodel serve`: flags, loading the engine, and a uvicorn server that drains on SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+from fastapi import FastAPI
+
+from .app import build_app
+from .serving import OpenAIServing, ServerConfig
+
+logger = logging.getLogger("pagedmodel.server.api")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagedmodel.server.engine.args import EngineArgs
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (also read from $PAGEDMODEL_API_KEY)")
+    parser.add_argument("--log-requests", action="store_true", help="log one INFO line per request")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds to let in-flight requests finish after SIGTERM")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+class _GracefulServer:
+    """uvicorn.Server whose SIGTERM ends the process with status 0 after draining, as Kubernetes expects."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str):
+        import uvicorn
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                     timeout_graceful_shutdown=max(0.0, shutdown_timeout), lifespan="on")
+        self.server = uvicorn.Server(self.config)
+        self.app = app
+
+    def run(self) -> None:
+        serving: OpenAIServing = self.app.state.serving
+        orig = self.server.handle_exit
+
+        def handle_exit(sig: int, frame: Any) -> None:
+            serving.draining = True   # new requests on open connections get 503; /health turns 503
+            if sig == signal.SIGTERM:
+                logger.info("SIGTERM: draining in-flight requests (up to %.0fs), then exiting",
+                            self.config.timeout_graceful_shutdown or 0)
+            orig(sig, frame)
+        self.server.handle_exit = handle_exit  # type: ignore[method-assign]
+        # uvicorn re-raises the caught signal after shutdown; a no-op SIGTERM handler turns that into exit 0.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        try:
+            self.server.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from pagedmodel.server.engine.args import ConfigError, EngineArgs
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>` dumps every thread's stack
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+    except ConfigError as exc:
+        print(f"pagedmodel serve: error: {exc}", file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:
+        print(f"pagedmodel serve: error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    from pagedmodel.server.engine.llm_engine import LLMEngine
+    try:
+        from pagedmodel.server.engine.model_store import ModelNotAvailableError
+    except ImportError:
+        ModelNotAvailableError = ConfigError  # type: ignore[misc,assignment]  # no model store: nothing extra to catch
+    try:
+        engine = LLMEngine.from_engine_args(engine_args)
+    except (ConfigError, ModelNotAvailableError, OSError, ValueError) as exc:
+        print(f"pagedmodel serve: error: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    config = ServerConfig(served_model_name=engine.model_name,
+                          api_key=args.api_key or os.environ.get("PAGEDMODEL_API_KEY") or None,
+                          log_requests=args.log_requests, max_queue_len=engine_args.max_queue_len,
+                          model_root=engine_args.model)
+    app = build_app(engine, config)
+    logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, args.host, args.port,
+                engine.max_model_len)
+    _GracefulServer(app, args.host, args.port, args.shutdown_timeout, args.log_level).run()
+    return 0

@@ -1,0 +1,250 @@
+"""OpenAIServing: the request handling every endpoint shares — body parsing, model and prompt checks,
+tokenization on its own thread, submission to the async engine and collecting the final outputs.
+
+Request bodies are parsed by hand rather than by FastAPI so every malformed request (wrong content
+type, non-UTF-8 bytes, invalid JSON, wrong types) gets a precise OpenAI-style 400/415 instead of
+FastAPI's 422 shape. Prompts are tokenized on a one-thread executor with the server's own tokenizer
+copy, so a huge prompt never blocks the event loop and the engine thread's tokenizer is never shared
+across threads.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from pagedmodel.server.engine.outputs import RequestOutput
+from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
+from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
+from .errors import APIError, validation_message
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest
+
+logger = logging.getLogger("pagedmodel.server.api")
+
+MAX_BODY_BYTES = 32 << 20   # a 32 MiB JSON body is far beyond any context window we serve
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP-only knobs; the engine's own flags live in EngineArgs."""
+
+    served_model_name: str
+    api_key: str | None = None
+    log_requests: bool = False
+    max_queue_len: int | None = None
+    model_root: str | None = None
+    retry_after_s: int = 1
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its (non-streamed) answer was ready."""
+
+
+def _invalid_request_types() -> tuple[type[BaseException], ...]:
+    """The engine's validation error class (a ValueError with .param), plus SamplingParamsError."""
+    try:
+        from pagedmodel.server.engine.llm_engine import InvalidRequestError
+        return (InvalidRequestError, SamplingParamsError)
+    except ImportError:  # the engine module is optional for the pure-protocol paths
+        return (SamplingParamsError,)
+
+
+class OpenAIServing:
+    """Request handling shared by the endpoints: parsing, validation, tokenization, response building."""
+
+    def __init__(self, engine: Any, config: ServerConfig, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.config = config
+        self.model_name = config.served_model_name
+        self.max_model_len = int(engine.max_model_len)
+        self.vocab_size = int(engine.vocab_size)
+        # Own copies: the engine thread uses engine.tokenizer, the executor encodes, the loop decodes.
+        self._enc_tokenizer = copy.deepcopy(engine.tokenizer)
+        self._dec_tokenizer = copy.deepcopy(engine.tokenizer)
+        self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self._token_str_cache: dict[int, str] = {}
+        self.async_engine = AsyncEngine(engine, max_queue_len=config.max_queue_len,
+                                        retry_after_s=config.retry_after_s)
+        self.metrics = metrics or ServerMetrics(self.model_name, lambda: self.async_engine.last_stats)
+        self.async_engine.observer = self.metrics
+        self.draining = False
+        self._invalid_types = _invalid_request_types()
+
+    def close(self) -> None:
+        self.async_engine.shutdown()
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ parsing
+    async def parse_body(self, request: Request, model_cls: type[M]) -> M:
+        ctype = request.headers.get("content-type")
+        mime = (ctype or "application/json").split(";")[0].strip().lower()
+        if mime != "application/json":
+            raise APIError(415, f"Content-Type must be application/json, got {ctype!r}", code="unsupported_media_type")
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise APIError(400, f"request body is not valid UTF-8 (byte {exc.start})", code="invalid_json") from None
+        if not text.strip():
+            raise APIError(400, "request body is empty; expected a JSON object", code="invalid_json")
+
+        def no_constants(name: str) -> Any:
+            raise ValueError(f"{name} is not valid JSON")
+        try:
+            data = json.loads(text, parse_constant=no_constants)
+        except json.JSONDecodeError as exc:
+            raise APIError(400, f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+                           code="invalid_json") from None
+        except (ValueError, RecursionError) as exc:
+            raise APIError(400, f"invalid JSON: {exc}" if isinstance(exc, ValueError) else "invalid JSON: nested too deeply",
+                           code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as exc:
+            message, param = validation_message(list(exc.errors(include_url=False)))
+            raise APIError(400, message, param=param, code="invalid_request_error") from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise APIError(503, "server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+        if not self.async_engine.is_healthy:
+            raise APIError(503, f"engine is not running: {self.async_engine.dead_reason}", code="engine_dead")
+
+    # ------------------------------------------------------------------ tokenization
+    async def _in_tokenizer_thread(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn)
+
+    async def tokenize_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, list):
+            return list(prompt), None
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            # JSON allows "\ud800" escapes, but an unpaired surrogate is not text and cannot be tokenized.
+            raise APIError(400, "prompt contains an unpaired UTF-16 surrogate (invalid Unicode)", param="prompt") from None
+        try:
+            ids = await self._in_tokenizer_thread(lambda: list(self._enc_tokenizer(prompt).input_ids))
+        except Exception as exc:  # the tokenizer's own failures; the client gets the class, we keep the rest
+            raise APIError(400, f"prompt could not be tokenized: {type(exc).__name__}", param="prompt") from None
+        return ids, prompt
+
+    async def render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
+        if not getattr(self._enc_tokenizer, "chat_template", None):
+            raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
+                           param="messages", code="chat_template_missing")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+
+        def render() -> tuple[list[int], str]:
+            text = self._enc_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message)
+            # The template already holds the special tokens (BOS, role markers): add none.
+            return list(self._enc_tokenizer(text, add_special_tokens=False).input_ids), text
+        try:
+            return await self._in_tokenizer_thread(render)
+        except Exception as exc:  # jinja TemplateError ("roles must alternate"), encode errors
+            raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
+                           param="messages") from None
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
+        if len(ids) > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
+                                f"has {len(ids)} tokens.", param=param, code="context_length_exceeded")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                                f"{len(ids)} tokens and max_tokens is {params.max_tokens}, "
+                                f"{len(ids) + params.max_tokens} in total. Lower max_tokens or the prompt.",
+                           param="max_tokens", code="context_length_exceeded")
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens and the prompt "
+                                f"has {len(ids)}: no room left to generate.", param=param,
+                           code="context_length_exceeded")
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text, on the event loop's own tokenizer copy (an echoed token-id prompt)."""
+        return self._dec_tokenizer.decode(ids)
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_str_cache.get(token_id)
+        if s is None:
+            s = self._dec_tokenizer.decode([token_id])
+            self._token_str_cache[token_id] = s
+        return s
+
+    # ------------------------------------------------------------------ submission
+    def build_subs(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[SubRequest]:
+        """One engine request per prompt; the engine forks its n (best_of) samples off the shared prompt."""
+        return [SubRequest(f"{request_id}-{i}", ids, params, i) for i, ids in enumerate(prompts)]
+
+    async def submit(self, subs: list[SubRequest], priority: int) -> RequestGroup:
+        self.check_accepting()
+        try:
+            return await self.async_engine.add(subs, priority=priority)
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+        except self._invalid_types as exc:
+            raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
+
+    async def collect(self, group: RequestGroup, request: Request) -> dict[int, RequestOutput]:
+        """Wait for every sub-request's final output; a client that disconnects aborts the group."""
+        async def watch_disconnect() -> None:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    group.queue.put_nowait((None, ClientDisconnected()))
+                    return
+
+        watcher = asyncio.create_task(watch_disconnect())
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for idx, out in group.outputs():
+                final[idx] = out
+        except EngineDeadError as exc:
+            raise APIError(500, f"request failed: {exc}", code="engine_error") from None
+        except ClientDisconnected:
+            # Nobody reads this reply; 499 (nginx's "client closed request") keeps it out of 5xx stats.
+            raise APIError(499, "client disconnected", code="client_disconnected") from None
+        finally:
+            watcher.cancel()
+            self.async_engine.abort(group)   # no-op when everything finished
+        return final
+
+    def set_log_info(self, request: Request, request_id: str, prompt_tokens: int, completion_tokens: int,
+                     finish: str | None) -> None:
+        request.state.log_info = (f"id={request_id} prompt_tokens={prompt_tokens} "
+                                  f"completion_tokens={completion_tokens} finish={finish}")

@@ -1,0 +1,70 @@
+"""Server-sent events: the SSE framing, the guard that ends every stream with [DONE], and the tracker
+that turns the engine's cumulative outputs into per-choice deltas."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from pagedmodel.server.engine.outputs import CompletionOutput
+from .async_engine import EngineDeadError, RequestGroup
+from .errors import APIError
+from .serving import OpenAIServing
+
+logger = logging.getLogger("pagedmodel.server.api")
+
+
+def stream_headers(request_id: str) -> dict[str, str]:
+    # no-cache / X-Accel-Buffering: proxies (nginx, our router) must pass SSE chunks through unbuffered
+    return {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": request_id}
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def guarded_stream(serving: OpenAIServing, group: RequestGroup, body: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Wrap a chunk generator: abort on disconnect, report engine death in-band, always end with [DONE]."""
+    try:
+        async for chunk in body:
+            yield chunk
+    except EngineDeadError as exc:
+        yield sse(APIError(500, f"request failed: {exc}", code="engine_error").body())
+    except Exception:   # headers are sent: report in-band, keep the traceback in our log
+        logger.exception("error while streaming a response")
+        yield sse(APIError(500, "internal server error", code="internal_error").body())
+    finally:
+        # A client that went away cancels us at the await above; this frees its KV blocks before the next step.
+        serving.async_engine.abort(group)
+    yield "data: [DONE]\n\n"
+
+
+class DeltaTracker:
+    """What each choice has already been sent, so cumulative engine outputs become stream deltas."""
+
+    def __init__(self, n_choices: int):
+        self.text = [0] * n_choices
+        self.tokens = [0] * n_choices
+        self.done: set[int] = set()
+
+    def newly_finished(self, choice: int, o: CompletionOutput) -> bool:
+        """True once per choice: later cumulative outputs of the group repeat finished samples."""
+        if not o.finished or choice in self.done:
+            return False
+        self.done.add(choice)
+        return True
+
+    def advance(self, choice: int, o: CompletionOutput) -> tuple[str, list[int], list[dict[int, float]], int]:
+        """The new text, token ids and logprobs since the last call, and the text offset they start at."""
+        t0, k0 = self.text[choice], self.tokens[choice]
+        delta = o.text[t0:]
+        new_ids = o.token_ids[k0:]
+        new_lp = (o.logprobs or [])[k0:]
+        # The engine holds back text that may become a stop string, so text only grows; max() guards anyway.
+        self.text[choice] = max(t0, len(o.text))
+        self.tokens[choice] = len(o.token_ids)
+        return delta, new_ids, new_lp, t0
