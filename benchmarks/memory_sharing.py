@@ -27,7 +27,7 @@ def engine(model: str | None, **kw) -> LLMEngine:
 
 
 def referenced_blocks(eng: LLMEngine) -> int:
-    return sum(1 for b in eng.block_manager.pool.blocks if b.ref_cnt > 0)
+    return sum(1 for b in eng.scheduler.block_manager.pool.blocks if b.ref_cnt > 0)
 
 
 def run_peak(eng: LLMEngine, requests) -> int:
@@ -77,7 +77,7 @@ def main() -> None:
     no_cache = run_peak(engine(args.model), reqs)
     cached_engine = engine(args.model, enable_prefix_caching=True)
     with_cache = run_peak(cached_engine, reqs)
-    bm = cached_engine.block_manager
+    bm = cached_engine.scheduler.block_manager
     results.update(shared_prompt_blocks_no_cache=no_cache, shared_prompt_blocks_cache=with_cache,
                    shared_prompt_hit_rate=bm.prefix_hits / bm.prefix_queries)
     print(f"32 requests sharing a 256-token system prompt: {no_cache} blocks without prefix caching, "

@@ -6,8 +6,10 @@ block copies the next step must perform; kv_cache.py moves the bytes.
 from __future__ import annotations
 
 import hashlib
+import time
 from array import array
 
+from .allocation_timer import AllocationTimer
 from .block_pool import Block, BlockPool
 from .sequence import Sequence
 
@@ -37,6 +39,7 @@ class BlockManager:
         self._copy_sources: list[Block] = []             # their sources, still referenced until then
         self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0      # of those, tokens served from it
+        self.allocation_timer = AllocationTimer()   # every allocate() call, success or not
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -112,6 +115,13 @@ class BlockManager:
         """Make ``seq``'s table cover ``num_tokens`` slots, starting a new table with ``cached`` prefix blocks;
         the slots from ``seq.num_computed_tokens`` on become writable (copied first if shared).
         Returns False, changing nothing, if too few blocks are free."""
+        start = time.perf_counter()
+        try:
+            return self._allocate(seq, num_tokens, cached, watermark)
+        finally:
+            self.allocation_timer.observe(time.perf_counter() - start)
+
+    def _allocate(self, seq: Sequence, num_tokens: int, cached: list[Block], watermark: bool) -> bool:
         table = self.tables.get(seq.seq_id)
         if cached and table:
             raise AssertionError("prefix blocks can only start a new table")

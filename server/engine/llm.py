@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Union
 
 from .args import EngineArgs
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], Mapping[str, object]]
 
 
 class LLM:
@@ -19,21 +22,28 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
+    def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order, with timings in ``.metrics``."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        """Run every prompt to completion; outputs come back in prompt order, with timings in ``.metrics``.
+
+        A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
+        (either dict may carry ``"cache_salt"``); pass one or a list of them, as with vLLM."""
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         ids = []
-        for prompt, p in zip(prompts, params_list):
-            rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, prompt, p)
-            ids.append(rid)
+        try:
+            for prompt, p in zip(prompts, params_list):
+                rid = f"offline-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:   # a bad prompt in the list: the ones before it must not linger in the engine
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
         results: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
@@ -49,3 +59,13 @@ class LLM:
         if progress:
             progress.close()
         return [results[rid] for rid in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a dict, or a list of token ids) becomes a list of one."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts

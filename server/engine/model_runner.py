@@ -1,11 +1,15 @@
 """Flattens a scheduled step into one unpadded batch, runs the model, and returns next-token logits.
 
+It reads only the scheduler's output (sequences, their block ids, the block copies and swaps): block
+bookkeeping stays with the scheduler.
+
 Pure-decode steps (one new token per row) replay a CUDA graph when one was captured (CUDA, Triton
 backend, no ``--enforce-eager``; see ``cuda_graph_runner.py``); every other step runs eagerly.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
@@ -13,17 +17,24 @@ import torch
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import AttentionBackend
 
-from .block_manager import BlockManager
 from .cuda_graph_runner import CUDAGraphRunner, GraphBackend, capture_sizes, select_graph_backend
 from .kv_cache import KVCache
-from .scheduler import SchedulerOutput
+from .scheduler import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class ModelRunnerOutput:
+    sampled: list[ScheduledSequence]   # the sequences whose next token is drawn: row i of logits is sampled[i]'s
+    logits: torch.Tensor               # float32 [len(sampled), vocab]
+    # seq_id -> (its scheduled entry, log-softmax rows from its first position): prompts that asked for
+    # prompt logprobs; row j scores prompt token start + 1 + j
+    prompt_logprobs: dict[int, tuple[ScheduledSequence, torch.Tensor]] = field(default_factory=dict)
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, block_manager: BlockManager,
-                 backend: AttentionBackend, device: torch.device, *, max_model_len: int | None = None,
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend, device: torch.device, *, max_model_len: int | None = None,
                  max_num_seqs: int = 256, enforce_eager: bool = False,
                  graph_backend: GraphBackend | None | Literal["auto"] = "auto",
                  graph_sizes: Sequence[int] | None = None):
@@ -34,7 +45,6 @@ class ModelRunner:
         cache must already be allocated."""
         self.model = model
         self.kv_cache = kv_cache
-        self.bm = block_manager
         self.backend = backend
         self.device = device
         if isinstance(graph_backend, str):
@@ -47,7 +57,7 @@ class ModelRunner:
             if max_model_len is None:
                 raise ValueError("CUDA graphs need max_model_len (it sizes the static block tables)")
             runner = CUDAGraphRunner(
-                model, kv_cache.layers, backend, graph_backend, block_size=block_manager.block_size,
+                model, kv_cache.layers, backend, graph_backend, block_size=kv_cache.block_size,
                 max_model_len=max_model_len, sizes=graph_sizes or capture_sizes(max_num_seqs), device=device)
             try:
                 runner.capture()
@@ -62,10 +72,10 @@ class ModelRunner:
                     torch.cuda.empty_cache()     # give the half-captured graphs' pool back to the KV-less heap
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
-                                                       list[tuple[int, int, int]]]:
+                                                       list[tuple[ScheduledSequence, int, int]]]:
         """input ids, positions, attention metadata, the flat rows whose logits are sampled from, and
-        (scheduled index, first position, row count) spans of prompt rows whose logprobs were asked for."""
-        bs = self.bm.block_size
+        (scheduled sequence, first flat row, row count) spans of prompt rows whose logprobs were asked for."""
+        bs = self.kv_cache.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,10 +83,10 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
-        prompt_spans: list[tuple[int, int, int]] = []
-        for i, s in enumerate(sched.scheduled):
+        prompt_spans: list[tuple[ScheduledSequence, int, int]] = []
+        for s in sched.scheduled:
             start, end = s.start, s.start + s.num_new_tokens
-            table = self.bm.block_ids(s.seq)
+            table = s.block_ids
             ids.extend(s.seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -88,15 +98,14 @@ class ModelRunner:
             # position p's logits score prompt token p + 1 (the last prompt position's are sampled from)
             last = min(end, s.seq.num_prompt_tokens - 1)
             if s.group.params.prompt_logprobs is not None and s.seq.num_output_tokens == 0 and start < last:
-                prompt_spans.append((i, start, last - start))
+                prompt_spans.append((s, len(ids) - (end - start), last - start))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, slots, self.device)
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, dtype=torch.long, device=self.device), meta, sample_rows, prompt_spans)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
-        """Runs one step; returns float32 logits ``[num sampling sequences, vocab]`` in schedule order, and
-        (scheduled index, first position, prompt log-probabilities) for prompts that asked for them."""
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step: the scheduled block moves, then the model; logits for the sequences that sample."""
         # the order the block manager's bookkeeping assumes: a block given up by a swap-out may be a
         # swap-in or copy-on-write target of the same step, and a swapped-in block may be a CoW source
         self.kv_cache.swap_out(sched.blocks_to_swap_out)
@@ -108,15 +117,12 @@ class ModelRunner:
             hidden = self.graph_runner.run(input_ids, positions, meta)  # None: not a capturable step
         if hidden is None:
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
-        prompt_logprobs = []
-        offsets = [0]
-        for s in sched.scheduled:
-            offsets.append(offsets[-1] + s.num_new_tokens)
-        for i, start, count in prompt_spans:
-            row0 = offsets[i]
+        out = ModelRunnerOutput([s for s in sched.scheduled if s.samples],
+                                hidden.new_empty((0, 0), dtype=torch.float32))
+        for s, row0, count in prompt_spans:
             logits = self.model.compute_logits(hidden[row0:row0 + count])
-            prompt_logprobs.append((i, start, torch.log_softmax(logits, dim=-1)))
-        if not sample_rows:
-            return hidden.new_empty((0, 0), dtype=torch.float32), prompt_logprobs
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]), prompt_logprobs
+            out.prompt_logprobs[s.seq.seq_id] = (s, torch.log_softmax(logits, dim=-1))
+        if sample_rows:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+            out.logits = self.model.compute_logits(hidden[rows])
+        return out

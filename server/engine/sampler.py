@@ -1,16 +1,24 @@
-"""Turns a batch of next-token logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+"""Turns a step's logits into tokens: penalties, temperature, top-k/top-p/min-p, seeded draws, beam steps.
 
-Each sequence draws from its own torch.Generator, so a seeded request produces the same tokens whatever
+``Sampler.sample`` takes the model runner's output and returns results keyed by sequence (and beam
+decisions keyed by request); it changes no sequence: the scheduler's ``update_from_output`` applies them.
+Each sample draws from its own torch.Generator, so a seeded request produces the same tokens whatever
 else shares its batch. Logprobs are those of the raw model distribution (before temperature and
 truncation), as vLLM reports them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from .beam_group import BeamDecision, BeamGroup
 from .sampling_params import SamplingParams
+from .sequence import Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from .model_runner import ModelRunnerOutput
 
 
 @dataclass
@@ -105,3 +113,92 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
                 top.update({int(t): float(v) for t, v in zip(ids, vals)})
         results.append(SampleResult(token, chosen[i], top))
     return results
+
+
+PromptLogprobs = list[dict[int, float]]   # one {token: logprob, top-k...} per scored prompt token
+
+
+@dataclass
+class SamplerOutput:
+    # seq_id -> its new token; a request's first sample with best_of > 1 has best_of results, one per
+    # sample: the first is the sequence's own, the others go to the forks update_from_output makes
+    samples: dict[int, list[SampleResult]] = field(default_factory=dict)
+    beams: dict[str, BeamDecision] = field(default_factory=dict)                   # request_id -> beam step
+    prompt_logprobs: dict[int, tuple[int, PromptLogprobs]] = field(default_factory=dict)  # seq_id -> (first
+    # scored position, entries)
+
+
+class Sampler:
+    """Per-request sampling state (seeded generators, beam searches) and the step's draws."""
+
+    def __init__(self, device: torch.device, eos_token_ids: set[int]):
+        self.device = device
+        self.eos_token_ids = eos_token_ids   # shared with the stop checker
+        self._generators: dict[tuple[str, int], torch.Generator] = {}   # (request, sample index)
+        self._beams: dict[str, BeamGroup] = {}
+
+    def add_beam_search(self, beams: BeamGroup) -> None:
+        self._beams[beams.group.request_id] = beams
+
+    def drop(self, group: SequenceGroup) -> None:
+        """Forget a finished or aborted request's state."""
+        self._beams.pop(group.request_id, None)
+        for index in range(group.params.best_of):
+            self._generators.pop((group.request_id, index), None)
+
+    def sample(self, out: "ModelRunnerOutput") -> SamplerOutput:
+        result = SamplerOutput()
+        rows: list[SamplingRow] = []
+        owners: list[int] = []
+        row_logits: list[int] = []
+        for i, s in enumerate(out.sampled):
+            group, seq = s.group, s.seq
+            beams = self._beams.get(group.request_id)
+            if beams is not None:
+                if beams.offer(seq, out.logits[i]):
+                    result.beams[group.request_id] = beams.decide()
+                continue
+            indices = [seq.index]
+            if seq.num_output_tokens == 0 and len(group.seqs) < group.params.best_of:
+                indices += range(len(group.seqs), group.params.best_of)   # samples forked off this prompt
+            for index in indices:
+                rows.append(self._row(group, seq, index))
+                owners.append(seq.seq_id)
+                row_logits.append(i)
+        if rows:
+            index = torch.tensor(row_logits, dtype=torch.long, device=out.logits.device)
+            for seq_id, sampled in zip(owners, sample(out.logits.index_select(0, index), rows)):
+                result.samples.setdefault(seq_id, []).append(sampled)
+        for seq_id, (s, logprobs) in out.prompt_logprobs.items():
+            entries = _prompt_entries(s.seq.token_ids, s.start, logprobs, s.group.params.prompt_logprobs)
+            result.prompt_logprobs[seq_id] = (s.start, entries)
+        return result
+
+    def _row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
+        """The row for sample ``index`` drawn from ``seq``'s logits (a fork-to-be shares its parent's tokens)."""
+        p = group.params
+        gen = None
+        if not p.greedy:
+            gen = self._generators.get((group.request_id, index))
+            if gen is None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed((group.seed + 1_000_003 * index) % 2**63)
+                self._generators[(group.request_id, index)] = gen
+        banned: tuple[int, ...] = ()
+        if seq.num_output_tokens < p.min_tokens:
+            banned = tuple(sorted((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)))
+        return SamplingRow(p, group.prompt_token_ids, seq.output_token_ids, gen, banned)
+
+
+def _prompt_entries(token_ids: list[int], start: int, logprobs: torch.Tensor, k: int | None) -> PromptLogprobs:
+    """Row j (position start + j) scores prompt token start + 1 + j: its logprob, plus the top ``k``."""
+    targets = torch.tensor(token_ids[start + 1:start + 1 + len(logprobs)], device=logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    top = torch.topk(logprobs, k) if k else None
+    entries = []
+    for j, (token, lp) in enumerate(zip(targets.tolist(), chosen)):
+        entry = {token: lp}
+        if top is not None:
+            entry.update({int(t): float(v) for t, v in zip(top.indices[j].tolist(), top.values[j].tolist())})
+        entries.append(entry)
+    return entries

@@ -23,3 +23,7 @@ class EngineStats:
     # Configuration the router (per-replica in-flight cap) and the operator's tuner read back.
     max_num_seqs: int = 0
     block_size: int = 0
+    # block manager allocate() durations, cumulative: counts <= each edge of
+    # metrics_contract.ALLOCATION_BUCKETS, then +Inf (= the count); and their sum in seconds
+    block_allocation_buckets: tuple[int, ...] = ()
+    block_allocation_seconds_sum: float = 0.0

@@ -1,26 +1,45 @@
-"""Drives Scheduler + BlockManager without a model. A stand-in step replays what the KV cache would hold:
-it performs the scheduled swaps and copies on a per-slot record of token ids, 'computes' the scheduled
-tokens into their slots and appends a random token, so bookkeeping can be checked against content."""
+"""Drives the engine's real Scheduler, Sampler and update_from_output without a model. The stand-in for
+the model runner replays what the KV cache would hold: it performs the scheduled swaps and copies on a
+per-slot record of token ids and writes the scheduled tokens into the slots their block ids (from the
+scheduler's output) name; the sampler then draws from random logits, so bookkeeping can be checked
+against content."""
 from __future__ import annotations
 
 import random
 
-from pagedmodel.server.engine.block_manager import BlockManager
+import torch
+
+from pagedmodel.server.engine.model_runner import ModelRunnerOutput
 from pagedmodel.server.engine.outputs import RequestMetrics
+from pagedmodel.server.engine.sampler import Sampler
 from pagedmodel.server.engine.sampling_params import SamplingParams
 from pagedmodel.server.engine.scheduler import Scheduler, SchedulerOutput
-from pagedmodel.server.engine.sequence import SequenceGroup, SequenceStatus
+from pagedmodel.server.engine.sequence import SequenceGroup
+from pagedmodel.server.engine.stop_checker import StopChecker
+
+VOCAB = 1000
+
+
+class WordTokenizer:
+    """Token ``i`` is the word ``ti``: enough for the stop checker's incremental detokenization."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f" t{i}" for i in ids)
 
 
 class Sim:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, budget: int,
                  prefix_caching: bool = False, seed: int = 0, num_cpu_blocks: int = 0,
                  preemption_mode: str | None = None):
-        self.bm = BlockManager(num_blocks, block_size, prefix_caching, num_cpu_blocks=num_cpu_blocks)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget, preemption_mode)
+        self.sched = Scheduler(num_blocks, block_size, max_num_seqs, budget,
+                               StopChecker(WordTokenizer(), set(), max_model_len=1 << 30),
+                               enable_prefix_caching=prefix_caching, num_cpu_blocks=num_cpu_blocks,
+                               preemption_mode=preemption_mode)
+        self.bm = self.sched.block_manager
+        self.sampler = Sampler(torch.device("cpu"), set())
         self.rng = random.Random(seed)
+        self.logits_gen = torch.Generator().manual_seed(seed)
         self.groups: dict[str, SequenceGroup] = {}
-        self.max_tokens: dict[str, int] = {}
         self.steps = 0
         self.block_size = block_size
         self.device = [[None] * block_size for _ in range(num_blocks)]   # token id held by each slot
@@ -28,10 +47,9 @@ class Sim:
         self.preempted = self.swapped_out = self.swapped_in = self.forks = 0
 
     def add(self, rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> SequenceGroup:
-        params = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0 if n > 1 else 0.0)
-        g = SequenceGroup(rid, None, prompt, params, RequestMetrics(0.0))
+        params = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0 if n > 1 else 0.0, ignore_eos=True)
+        g = SequenceGroup(rid, None, prompt, params, RequestMetrics(0.0), seed=self.rng.getrandbits(32))
         self.groups[rid] = g
-        self.max_tokens[rid] = max_tokens
         self.sched.add(g)
         return g
 
@@ -39,48 +57,40 @@ class Sim:
         g = self.groups.pop(rid, None)
         if g is not None:
             self.sched.abort(g)
+            self.sampler.drop(g)
 
     def step(self) -> SchedulerOutput:
-        out = self.sched.schedule()
+        out = self.sched.schedule(now=float(self.steps))
         self.steps += 1
         self.preempted += len(out.preempted)
         self.swapped_out += len(out.swapped_out)
         self.swapped_in += len(out.swapped_in)
+        if out.is_empty:
+            return out
+        sampled = self._run_model(out)
+        sizes = {g.request_id: len(g.seqs) for g in self.groups.values()}
+        update = self.sched.update_from_output(out, self.sampler.sample(sampled))
+        for g in update.touched.values():
+            self.forks += len(g.seqs) - sizes[g.request_id]
+            if g.is_finished:
+                self.groups.pop(g.request_id, None)
+                self.sampler.drop(g)
+        return out
+
+    def _run_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """What the model runner does to the cache, on the slot record; random logits for the samplers."""
         for d, c in out.blocks_to_swap_out:
             self.cpu[c] = list(self.device[d])
         for c, d in out.blocks_to_swap_in:
             self.device[d] = list(self.cpu[c])
         for s, d in out.blocks_to_copy:
             self.device[d] = list(self.device[s])
-        for group in out.admitted:
-            if group.metrics.first_scheduled_time is None:
-                group.metrics.first_scheduled_time = float(self.steps)
         bs = self.block_size
         for s in out.scheduled:
-            table = self.bm.block_ids(s.seq)
             for p in range(s.start, s.start + s.num_new_tokens):
-                self.device[table[p // bs]][p % bs] = s.seq.token_ids[p]
-        for s in out.scheduled:
-            samples = s.samples
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.bm.commit(s.seq)
-            if samples:
-                family = [s.seq]
-                g = s.group
-                if s.seq.num_output_tokens == 0 and len(g.seqs) < g.params.best_of:
-                    for index in range(len(g.seqs), g.params.best_of):
-                        child = s.seq.fork(index)
-                        self.bm.fork(s.seq, child)
-                        g.seqs.append(child)
-                        family.append(child)
-                        self.forks += 1
-                for seq in family:
-                    seq.append_token(self.rng.randrange(1000), 0.0, None)
-                    if seq.num_output_tokens >= self.max_tokens[g.request_id]:
-                        seq.status = SequenceStatus.FINISHED_LENGTH
-        for g in self.sched.free_finished():
-            self.groups.pop(g.request_id, None)
-        return out
+                self.device[s.block_ids[p // bs]][p % bs] = s.seq.token_ids[p]
+        sampled = [s for s in out.scheduled if s.samples]
+        return ModelRunnerOutput(sampled, torch.randn(len(sampled), VOCAB, generator=self.logits_gen))
 
     def check(self) -> None:
         """Bookkeeping invariants, plus: every computed token sits in the slot its block table names, and

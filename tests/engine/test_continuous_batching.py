@@ -43,19 +43,19 @@ def test_finished_request_frees_its_blocks_in_the_step_it_finishes(wordlevel_lla
         if any(o.request_id == "a" and o.finished for o in outs):
             finished_at = step
             # freed the moment a finished: the whole pool is free again before the next step
-            assert engine.block_manager.num_free_blocks == 16
+            assert engine.scheduler.block_manager.num_free_blocks == 16
     outs = {o.request_id: o for o in engine.step()}
     assert "b" in outs and len(outs["b"].outputs[0].token_ids) == 1, "b must start in the very next step"
     engine.abort_request("b")
-    assert engine.block_manager.num_free_blocks == 16
+    assert engine.scheduler.block_manager.num_free_blocks == 16
 
 
 def test_abort_frees_blocks_immediately(wordlevel_llama_dir):
     engine = make_engine(wordlevel_llama_dir)
     engine.add_request("x", list(range(3, 60)), SamplingParams(max_tokens=50, **GREEDY))
     engine.step()
-    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks < engine.scheduler.block_manager.num_blocks
     engine.abort_request("x")
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
     assert not engine.has_unfinished_requests()
     assert engine.step() == []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedmodel.kernels.cpu_features import cpu_flags, has_native_bf16
-from pagedmodel.server.engine.llm_engine import _pick_dtype
+from pagedmodel.server.engine.device import pick_dtype
 
 AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma bmi2\nbugs\t\t: sysret_ss_attrs\n"
 SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8\n"
@@ -39,9 +39,9 @@ def test_this_machine_agrees_with_its_cpuinfo():
 
 @pytest.mark.parametrize("native,expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_dtype_on_cpu_follows_the_cpu(native, expected):
-    assert _pick_dtype("auto", object(), torch.device("cpu"), native_bf16=native) is expected
+    assert pick_dtype("auto", object(), torch.device("cpu"), native_bf16=native) is expected
 
 
 def test_an_explicit_dtype_wins_over_the_cpu():
-    assert _pick_dtype("float32", object(), torch.device("cpu"), native_bf16=True) is torch.float32
-    assert _pick_dtype("bfloat16", object(), torch.device("cpu"), native_bf16=False) is torch.bfloat16
+    assert pick_dtype("float32", object(), torch.device("cpu"), native_bf16=True) is torch.float32
+    assert pick_dtype("bfloat16", object(), torch.device("cpu"), native_bf16=False) is torch.bfloat16

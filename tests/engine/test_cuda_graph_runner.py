@@ -111,7 +111,7 @@ def test_enforce_eager_and_cpu_default_capture_nothing(untied_llama_dir, monkeyp
 
 def test_model_runner_takes_an_injected_graph_backend(untied_llama_dir, monkeypatch):
     engine = _llm(untied_llama_dir, "off", monkeypatch).engine
-    parts = (engine.model, engine.kv_cache, engine.block_manager, engine.backend, engine.device)
+    parts = (engine.model, engine.kv_cache, engine.backend, engine.device)
     runner = ModelRunner(*parts, max_model_len=MAX_MODEL_LEN, graph_backend=EmulatedGraphBackend(), graph_sizes=[1, 3])
     assert runner.graph_runner is not None and runner.graph_runner.sizes == [1, 3]
     assert runner.graph_runner.stats.capture_seconds > 0   # captured at construction
@@ -137,8 +137,8 @@ def test_a_failed_capture_falls_back_to_eager_instead_of_failing(untied_llama_di
     llm = _llm(untied_llama_dir, "off", monkeypatch)
     engine = llm.engine
     with caplog.at_level("ERROR"):
-        engine.runner = ModelRunner(engine.model, engine.kv_cache, engine.block_manager, engine.backend,
-                                    engine.device, max_model_len=MAX_MODEL_LEN, graph_backend=Broken())
+        engine.runner = ModelRunner(engine.model, engine.kv_cache, engine.backend, engine.device,
+                                    max_model_len=MAX_MODEL_LEN, graph_backend=Broken())
     assert engine.runner.graph_runner is None
     assert "stream is capturing" in engine.runner.graph_capture_error
     assert "CUDA graph capture failed" in caplog.text

@@ -105,9 +105,9 @@ def run_engine(model_dir, prompts, new_tokens: int = NEW_TOKENS, **engine_kw) ->
         for out in engine.step():
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
-        engine.block_manager.check_invariants()
+        engine.scheduler.block_manager.check_invariants()
         step += 1
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
     return [results[f"p{i}"] for i in range(len(prompts))], engine
 
 
@@ -150,7 +150,7 @@ def test_greedy_matches_hf_with_chunked_prefill(smollm2_dir, prompts, hf_referen
 def test_greedy_matches_hf_with_prefix_cache_hits(smollm2_dir, prompts, hf_reference):
     # every prompt twice: the second copy arrives while or after the first ran and reuses its blocks
     ours, engine = run_engine(smollm2_dir, prompts + prompts, block_size=16, enable_prefix_caching=True)
-    assert engine.block_manager.prefix_hits > 0.3 * sum(map(len, prompts))
+    assert engine.scheduler.block_manager.prefix_hits > 0.3 * sum(map(len, prompts))
     assert_matches_hf(ours, hf_reference + hf_reference)
 
 
@@ -159,7 +159,7 @@ def test_greedy_matches_hf_with_shared_system_prompt(smollm2_dir, shared_system_
                               enable_prefix_caching=True)
     # the first three arrive together, before any block is committed; the five later ones each reuse
     # the system prompt's 96 full-block tokens
-    assert engine.block_manager.prefix_hits >= 5 * 96
+    assert engine.scheduler.block_manager.prefix_hits >= 5 * 96
     assert_matches_hf(ours, shared_reference)
 
 
@@ -180,7 +180,7 @@ def test_greedy_matches_hf_with_every_path_at_once(smollm2_dir, prompts, hf_refe
                               preemption_mode="swap", swap_space=6 * 16 * 30 * 2 * 3 * 64 * 4 / 2**30)
     s = engine.scheduler
     assert s.num_swap_outs > 0 and s.num_preemptions > s.num_swap_outs, "both swap and recompute must happen"
-    assert engine.block_manager.prefix_hits > 0
+    assert engine.scheduler.block_manager.prefix_hits > 0
     assert_matches_hf(ours, [r for r in hf_reference[:10] for _ in range(2)])
 
 
@@ -202,10 +202,10 @@ def test_beam_search_matches_hf(smollm2_dir, prompts, hf_model):
     while engine.has_unfinished_requests():
         for out in engine.step():
             got[out.request_id] = out.outputs[0].token_ids
-        engine.block_manager.check_invariants()
-        forks_seen |= any(b.ref_cnt > 1 for b in engine.block_manager.pool.blocks)
+        engine.scheduler.block_manager.check_invariants()
+        forks_seen |= any(b.ref_cnt > 1 for b in engine.scheduler.block_manager.pool.blocks)
     assert forks_seen, "beams should share blocks"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
     with torch.inference_mode():
         for i, (p, lp, es) in enumerate(BEAM_CASES):
             ids = torch.tensor([prompts[p]])

@@ -27,9 +27,10 @@ def test_prompt_logprobs_match_hf_across_chunks_and_cache(wordlevel_llama_dir):
     llm = LLM(str(wordlevel_llama_dir), device="cpu", block_size=8, max_model_len=128,
               max_num_batched_tokens=8, enable_prefix_caching=True)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2))
-    hits_before = llm.engine.block_manager.prefix_hits
+    bm = llm.engine.scheduler.block_manager
+    hits_before = bm.prefix_hits
     out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))[0]
-    assert llm.engine.block_manager.prefix_hits == hits_before, "cached blocks have no logits: no prefix reuse"
+    assert bm.prefix_hits == hits_before, "cached blocks have no logits: no prefix reuse"
     lps = out.prompt_logprobs
     assert lps is not None and len(lps) == len(PROMPT) and lps[0] is None
     for p in range(1, len(PROMPT)):

@@ -44,9 +44,10 @@ def test_stop_string_is_cut_from_text(llm, free_run):
 
 
 def test_eos_stops_unless_ignored(llm, free_run):
-    engine = llm.engine
-    saved = set(engine.eos_token_ids)
-    engine.eos_token_ids = {free_run.token_ids[3]}
+    eos = llm.engine.eos_token_ids   # one set: the sampler's (min_tokens) and the stop checker's
+    saved = set(eos)
+    eos.clear()
+    eos.add(free_run.token_ids[3])
     try:
         out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
         assert out.finish_reason == "stop" and out.stop_reason is None
@@ -56,7 +57,8 @@ def test_eos_stops_unless_ignored(llm, free_run):
         ignored = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0]
         assert ignored.finish_reason == "length"
     finally:
-        engine.eos_token_ids = saved
+        eos.clear()
+        eos.update(saved)
 
 
 def test_max_tokens_and_max_model_len(llm):
@@ -80,7 +82,7 @@ def test_invalid_requests_are_refused_and_hold_nothing(llm, prompt, params, para
         engine.add_request("bad", prompt, params)
     assert err.value.param == param
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
 
 
 def test_too_long_prompt_message_states_limit_and_length(llm):

@@ -1,0 +1,129 @@
+"""A request's prompt, checked and tokenized: the one validation the engine and the HTTP server share.
+
+Prompts take vLLM's offline forms: a string, a list of token ids, ``{"prompt": str}`` or
+``{"prompt_token_ids": [...]}``, either dict optionally with ``"cache_salt"`` (prefix-cache entries are
+only shared between requests with the same salt, e.g. per tenant). Every refusal is an
+InvalidRequestError whose message the API returns as is (HTTP 400), with the parameter it blames and,
+for context-length errors, OpenAI's ``context_length_exceeded`` code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .sampling_params import SamplingParams
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT_DICT_KEYS = frozenset(PROMPT_KEYS + ("cache_salt",))
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+class InvalidRequestError(ValueError):
+    """The request can never be served as asked (HTTP 400); ``param`` names the culprit."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    text: str | None          # None when the prompt came as token ids
+    token_ids: list[int]
+    cache_salt: str | None
+
+
+def encode_prompt(tokenizer: Any, text: str, param: str = "prompt") -> list[int]:
+    """Token ids of ``text``; the tokenizer is a parameter so a server can encode on its own copy in its
+    own thread."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON allows "\ud800" escapes, but an unpaired surrogate is not text and cannot be tokenized.
+        raise InvalidRequestError("prompt contains an unpaired UTF-16 surrogate (invalid Unicode)", param) from None
+    try:
+        return list(tokenizer(text).input_ids)
+    except Exception as exc:  # the tokenizer's own failures; the client gets the class, the log the rest
+        raise InvalidRequestError(f"prompt could not be tokenized: {type(exc).__name__}", param) from None
+
+
+def check_cache_salt(salt: object) -> str | None:
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r}", "cache_salt")
+    return salt
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+
+    def process(self, prompt: object, params: SamplingParams, cache_salt: str | None = None) -> ProcessedPrompt:
+        """Parse, tokenize and check one prompt (any of the forms in the module docstring)."""
+        if isinstance(prompt, Mapping):
+            prompt, cache_salt = self._unpack(prompt, cache_salt)
+        if isinstance(prompt, str):
+            text, ids = prompt, encode_prompt(self.tokenizer, prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise InvalidRequestError("a prompt is a string, a list of token ids, or a dict with 'prompt' or "
+                                      f"'prompt_token_ids'; got {type(prompt).__name__}", "prompt")
+        self.check_prompt(ids, params)
+        return ProcessedPrompt(text, ids, check_cache_salt(cache_salt))
+
+    @staticmethod
+    def _unpack(prompt: Mapping, cache_salt: str | None) -> tuple[object, str | None]:
+        unknown = sorted(map(str, set(prompt) - PROMPT_DICT_KEYS))
+        if unknown:
+            raise InvalidRequestError(f"unknown prompt field(s) {unknown}; expected {sorted(PROMPT_DICT_KEYS)}",
+                                      "prompt")
+        given = [k for k in PROMPT_KEYS if k in prompt]
+        if len(given) != 1:
+            raise InvalidRequestError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'", "prompt")
+        if "cache_salt" in prompt and cache_salt is not None:
+            raise InvalidRequestError("cache_salt is given twice: in the prompt and as an argument", "cache_salt")
+        value = prompt[given[0]]
+        if given[0] == "prompt" and not isinstance(value, str):
+            raise InvalidRequestError(f"'prompt' must be a string, got {type(value).__name__}", "prompt")
+        if given[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
+            raise InvalidRequestError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}",
+                                      "prompt")
+        return value, prompt.get("cache_salt", cache_salt)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
+        """Refuse a prompt (token ids) that can never be served with ``params``; ``param`` names the prompt
+        field in errors (the chat API says "messages")."""
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", param)
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token ids must be integers, got {bad!r}", param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+        self._check_length(len(ids), params.max_tokens, param)
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            raise InvalidRequestError("stop_token_ids contains ids outside the vocabulary", "stop_token_ids")
+        total = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))
+        if params.best_of * -(-total // self.block_size) > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"{params.best_of} sequences of up to {total} tokens cannot fit in the KV cache "
+                f"({self.num_kv_blocks * self.block_size} tokens)", "max_tokens")
+
+    def _check_length(self, n: int, max_tokens: int | None, param: str) -> None:
+        limit = self.max_model_len
+        if n > limit:
+            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                      f"{n} tokens.", param, CONTEXT_LENGTH_EXCEEDED)
+        if n >= limit:
+            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens and the prompt has "
+                                      f"{n}: no room left to generate.", param, CONTEXT_LENGTH_EXCEEDED)
+        if max_tokens is not None and n + max_tokens > limit:
+            raise InvalidRequestError(f"This model's maximum context length is {limit} tokens; the prompt has "
+                                      f"{n} tokens and max_tokens is {max_tokens}, {n + max_tokens} in total. "
+                                      "Lower max_tokens or the prompt.", "max_tokens", CONTEXT_LENGTH_EXCEEDED)
