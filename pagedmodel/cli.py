@@ -1,8 +1,8 @@
 """The `pagedmodel` command line: one entry point, one subcommand per job.
 
 Each subcommand lives in the module that owns it; this file only wires argparse
-and imports lazily, so `pagedmodel --help` stays fast and a missing optional
-dependency of one job never breaks another.
+and imports each subcommand's module only to build its flags (the heavy imports — torch, the
+engine — happen inside the modules' run functions), so `pagedmodel --help` stays fast.
 """
 from __future__ import annotations
 
@@ -25,12 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedmodel", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if not exc.name or not module_name.startswith(exc.name):
-                raise
-            continue  # not built yet: the subcommand is simply absent from --help
+        module = importlib.import_module(module_name)
         sp = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(sp)
         sp.set_defaults(_run=module.run)

@@ -40,7 +40,8 @@ class QueueFullError(RuntimeError):
 
 class EngineLike(Protocol):
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None: ...
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -62,6 +63,7 @@ class SubRequest:
     prompt: str | list[int]
     params: SamplingParams
     prompt_index: int
+    cache_salt: str | None = None   # prefix-cache blocks are shared only within one salt
 
 
 class RequestGroup:
@@ -232,8 +234,8 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for sub in group.subs:
-                self.engine.add_request(sub.request_id, sub.prompt, sub.params,
-                                        arrival_time=cmd.arrival_time, priority=cmd.priority)
+                self.engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=cmd.arrival_time,
+                                        priority=cmd.priority, cache_salt=sub.cache_salt)
                 added.append(sub.request_id)
                 self._groups[sub.request_id] = group
         except Exception as exc:  # validation errors reach the handler; partial groups are undone

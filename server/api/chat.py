@@ -28,7 +28,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
     ids, _ = await serving.render_chat(req)
     serving.check_prompt(ids, params, param="messages")
     request_id = random_id("chatcmpl")
-    group = await serving.submit(serving.build_subs(request_id, [ids], params), req.priority)
+    group = await serving.submit(serving.build_subs(request_id, [ids], params, req.cache_salt), req.priority)
     request.state.log_info = f"id={request_id}"
     created = int(time.time())
     if req.stream:

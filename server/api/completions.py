@@ -35,7 +35,8 @@ async def create_completion(serving: OpenAIServing, request: Request) -> Respons
     req = await serving.parse_body(request, CompletionRequest)
     params, tokenized = await prepare_completion(serving, req)
     request_id = random_id("cmpl")
-    group = await serving.submit(serving.build_subs(request_id, [ids for ids, _ in tokenized], params), req.priority)
+    subs = serving.build_subs(request_id, [ids for ids, _ in tokenized], params, req.cache_salt)
+    group = await serving.submit(subs, req.priority)
     request.state.log_info = f"id={request_id}"   # completed with token counts once the reply is done
     created = int(time.time())
     if req.stream:

@@ -1,5 +1,8 @@
 """Prometheus metrics of one served model, under vLLM's names so existing dashboards and alerts work.
 
+Names, help, labels and buckets come from pagedmodel/metrics_contract.py (shared with the router's
+scraper, the operator and the chart); this module only decides where each value comes from.
+
 Scheduler gauges and the engine's cumulative token/cache/preemption counters are read from the last
 `engine.stats()` snapshot at scrape time (a custom collector: the engine keeps the authoritative
 totals, we never double count). Per-request latencies are observed on the engine loop thread as
@@ -12,43 +15,37 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from pagedmodel import metrics_contract as mc
 from pagedmodel.server.engine.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# Bucket edges (seconds) spanning a fast GPU decode step to a long CPU request.
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.75, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
-_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
-# Token-count buckets: the tuner reads the request-length mix from these.
-_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
-
-# (metric name, EngineStats attribute, help)
+# (contract metric, EngineStats attribute): read from the last stats snapshot at scrape time.
 _GAUGES = (
-    ("vllm:num_requests_running", "num_running", "Requests in the running batch."),
-    ("vllm:num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
-    ("vllm:num_requests_swapped", "num_swapped", "Requests whose KV blocks are swapped out to CPU."),
-    ("vllm:kv_cache_usage_perc", "kv_cache_usage", "Share of KV cache blocks in use (0-1)."),
-    ("vllm:gpu_cache_usage_perc", "kv_cache_usage", "Share of KV cache blocks in use (0-1); older name."),
-    ("vllm:cpu_cache_usage_perc", "cpu_cache_usage", "Share of CPU swap blocks in use (0-1)."),
-    ("pagedmodel:kv_cache_blocks_total", "num_blocks_total", "KV cache blocks in the pool."),
-    ("pagedmodel:kv_cache_blocks_free", "num_blocks_free", "KV cache blocks not held by any request."),
-    ("pagedmodel:kv_cache_fragmentation", "fragmentation", "Share of allocated KV slots holding no token."),
-    ("pagedmodel:max_num_seqs", "max_num_seqs", "The engine's --max-num-seqs (running-batch slots)."),
-    ("pagedmodel:block_size", "block_size", "The engine's --block-size (tokens per KV block)."),
+    (mc.NUM_REQUESTS_RUNNING, "num_running"),
+    (mc.NUM_REQUESTS_WAITING, "num_waiting"),
+    (mc.NUM_REQUESTS_SWAPPED, "num_swapped"),
+    (mc.KV_CACHE_USAGE, "kv_cache_usage"),
+    (mc.GPU_CACHE_USAGE, "kv_cache_usage"),
+    (mc.CPU_CACHE_USAGE, "cpu_cache_usage"),
+    (mc.KV_BLOCKS_TOTAL, "num_blocks_total"),
+    (mc.KV_BLOCKS_FREE, "num_blocks_free"),
+    (mc.KV_FRAGMENTATION, "fragmentation"),
+    (mc.MAX_NUM_SEQS, "max_num_seqs"),
+    (mc.BLOCK_SIZE, "block_size"),
 )
-# Names without the _total suffix: prometheus-client appends it to counters.
 _COUNTERS = (
-    ("vllm:prompt_tokens", "prompt_tokens_total", "Prompt tokens processed (prefilled)."),
-    ("vllm:generation_tokens", "generation_tokens_total", "Tokens generated."),
-    ("vllm:prefix_cache_queries", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
-    ("vllm:prefix_cache_hits", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
-    ("vllm:num_preemptions", "num_preemptions_total", "Sequence preemptions (swap or recompute)."),
-    ("pagedmodel:num_swap_outs", "num_swap_outs_total", "Sequences whose KV blocks were swapped out to CPU."),
+    (mc.PROMPT_TOKENS, "prompt_tokens_total"),
+    (mc.GENERATION_TOKENS, "generation_tokens_total"),
+    (mc.PREFIX_CACHE_QUERIES, "prefix_cache_queries_total"),
+    (mc.PREFIX_CACHE_HITS, "prefix_cache_hits_total"),
+    (mc.NUM_PREEMPTIONS, "num_preemptions_total"),
+    (mc.NUM_SWAP_OUTS, "num_swap_outs_total"),
 )
 
 
@@ -59,14 +56,35 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         stats = self.get_stats()
-        for name, attr, doc in _GAUGES:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        for defn, attr in _GAUGES:
+            g = GaugeMetricFamily(defn.name, defn.help, labels=list(defn.labels))
             g.add_metric([self.model_name], float(getattr(stats, attr, 0) or 0) if stats is not None else 0.0)
             yield g
-        for name, attr, doc in _COUNTERS:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
+        for defn, attr in _COUNTERS:
+            c = CounterMetricFamily(defn.name, defn.help, labels=list(defn.labels))
             c.add_metric([self.model_name], float(getattr(stats, attr, 0) or 0) if stats is not None else 0.0)
             yield c
+        yield self._allocation_histogram(stats)
+
+    def _allocation_histogram(self, stats: Any) -> Metric:
+        """pagedmodel:kv_block_allocation_seconds from the engine's cumulative bucket counts.
+
+        The engine counts (cumulatively, per edge of mc.ALLOCATION_BUCKETS, then +Inf) and this only
+        renders, like the counters above: one owner of the totals. Before the first allocation the
+        series is still there, all zero, so alerts and dashboards see it from the start.
+        """
+        defn = mc.KV_BLOCK_ALLOCATION
+        counts = tuple(getattr(stats, "block_allocation_buckets", ()) or ()) if stats is not None else ()
+        if not counts:
+            counts = (0,) * (len(defn.buckets) + 1)
+        if len(counts) != len(defn.buckets) + 1:
+            raise ValueError(f"{defn.name}: the engine reported {len(counts)} bucket counts, the contract has "
+                             f"{len(defn.buckets)} edges plus +Inf")
+        total = float(getattr(stats, "block_allocation_seconds_sum", 0.0) or 0.0) if stats is not None else 0.0
+        h = HistogramMetricFamily(defn.name, defn.help, labels=list(defn.labels))
+        edges = [floatToGoString(e) for e in defn.buckets] + ["+Inf"]
+        h.add_metric([self.model_name], list(zip(edges, (float(c) for c in counts))), sum_value=total)
+        return h
 
 
 class ServerMetrics:
@@ -76,23 +94,15 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(_EngineStatsCollector(model_name, get_stats))
-        labels = ["model_name"]
-        self.request_success = Counter(
-            "vllm:request_success", "Finished requests, by finish reason (stop, length, abort).",
-            labels + ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.",
-                              labels, buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-                             labels, buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             labels, buckets=_REQUEST_BUCKETS, registry=self.registry)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
-                                    labels, buckets=_REQUEST_BUCKETS, registry=self.registry)
-        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt length of finished requests, in tokens.",
-                                       labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
-        self.generation_tokens = Histogram(
-            "vllm:request_generation_tokens", "Tokens generated per finished request (all samples).",
-            labels, buckets=_TOKEN_BUCKETS, registry=self.registry)
+        # process_start_time_seconds & co.: a new start time within one pod is a restart (an alert reads it)
+        ProcessCollector(registry=self.registry)
+        self.request_success = mc.register(mc.REQUEST_SUCCESS, self.registry)
+        self.ttft = mc.register(mc.TTFT, self.registry)
+        self.itl = mc.register(mc.ITL, self.registry)
+        self.e2e = mc.register(mc.E2E_LATENCY, self.registry)
+        self.queue_time = mc.register(mc.QUEUE_TIME, self.registry)
+        self.prompt_tokens = mc.register(mc.REQUEST_PROMPT_TOKENS, self.registry)
+        self.generation_tokens = mc.register(mc.REQUEST_GENERATION_TOKENS, self.registry)
         # request id -> time of its last token; ITL needs it. Only the engine loop thread touches it,
         # except on_abort which the loop thread also calls; the lock covers test-side reads.
         self._last_token_time: dict[str, float] = {}

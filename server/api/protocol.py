@@ -54,6 +54,8 @@ class _SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0
+    # vLLM's name: requests share prefix-cache blocks only with requests of the same salt (e.g. per tenant)
+    cache_salt: StrictStr | None = None
     user: StrictStr | None = None
     logit_bias: dict[str, Number] | None = None
 

@@ -75,12 +75,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedmodel serve: error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
     from pagedmodel.server.engine.llm_engine import LLMEngine
+    from pagedmodel.server.engine.model_store import ModelNotAvailableError
     try:
-        from pagedmodel.server.engine.model_store import ModelNotAvailableError
-    except ImportError:
-        ModelNotAvailableError = ConfigError  # type: ignore[misc,assignment]  # no model store: nothing extra to catch
-    try:
-        engine = LLMEngine.from_engine_args(engine_args)
+        engine = LLMEngine(engine_args)
     except (ConfigError, ModelNotAvailableError, OSError, ValueError) as exc:
         print(f"pagedmodel serve: error: cannot load the model: {exc}", file=sys.stderr)
         return 2

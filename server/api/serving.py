@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from pagedmodel.server.engine.input_processor import InvalidRequestError, encode_prompt
 from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
@@ -50,13 +51,8 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its (non-streamed) answer was ready."""
 
 
-def _invalid_request_types() -> tuple[type[BaseException], ...]:
-    """The engine's validation error class (a ValueError with .param), plus SamplingParamsError."""
-    try:
-        from pagedmodel.server.engine.llm_engine import InvalidRequestError
-        return (InvalidRequestError, SamplingParamsError)
-    except ImportError:  # the engine module is optional for the pure-protocol paths
-        return (SamplingParamsError,)
+def _bad_request(exc: InvalidRequestError) -> APIError:
+    return APIError(400, str(exc), param=exc.param, code=exc.code)
 
 
 class OpenAIServing:
@@ -67,7 +63,8 @@ class OpenAIServing:
         self.config = config
         self.model_name = config.served_model_name
         self.max_model_len = int(engine.max_model_len)
-        self.vocab_size = int(engine.vocab_size)
+        # The engine's own checks (input_processor.py): its messages are what the client reads.
+        self.inputs = engine.input_processor
         # Own copies: the engine thread uses engine.tokenizer, the executor encodes, the loop decodes.
         self._enc_tokenizer = copy.deepcopy(engine.tokenizer)
         self._dec_tokenizer = copy.deepcopy(engine.tokenizer)
@@ -78,7 +75,6 @@ class OpenAIServing:
         self.metrics = metrics or ServerMetrics(self.model_name, lambda: self.async_engine.last_stats)
         self.async_engine.observer = self.metrics
         self.draining = False
-        self._invalid_types = _invalid_request_types()
 
     def close(self) -> None:
         self.async_engine.shutdown()
@@ -145,14 +141,9 @@ class OpenAIServing:
         if isinstance(prompt, list):
             return list(prompt), None
         try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            # JSON allows "\ud800" escapes, but an unpaired surrogate is not text and cannot be tokenized.
-            raise APIError(400, "prompt contains an unpaired UTF-16 surrogate (invalid Unicode)", param="prompt") from None
-        try:
-            ids = await self._in_tokenizer_thread(lambda: list(self._enc_tokenizer(prompt).input_ids))
-        except Exception as exc:  # the tokenizer's own failures; the client gets the class, we keep the rest
-            raise APIError(400, f"prompt could not be tokenized: {type(exc).__name__}", param="prompt") from None
+            ids = await self._in_tokenizer_thread(lambda: encode_prompt(self._enc_tokenizer, prompt))
+        except InvalidRequestError as exc:
+            raise _bad_request(exc) from None
         return ids, prompt
 
     async def render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
@@ -175,23 +166,11 @@ class OpenAIServing:
                            param="messages") from None
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
-        if not ids:
-            raise APIError(400, "prompt must not be empty", param=param)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
-        if len(ids) > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                                f"has {len(ids)} tokens.", param=param, code="context_length_exceeded")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                                f"{len(ids)} tokens and max_tokens is {params.max_tokens}, "
-                                f"{len(ids) + params.max_tokens} in total. Lower max_tokens or the prompt.",
-                           param="max_tokens", code="context_length_exceeded")
-        if len(ids) >= self.max_model_len:
-            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens and the prompt "
-                                f"has {len(ids)}: no room left to generate.", param=param,
-                           code="context_length_exceeded")
+        """Refuse before submitting what the engine would refuse (same check, same message)."""
+        try:
+            self.inputs.check_prompt(ids, params, param)
+        except InvalidRequestError as exc:
+            raise _bad_request(exc) from None
 
     def decode(self, ids: list[int]) -> str:
         """Token ids as text, on the event loop's own tokenizer copy (an echoed token-id prompt)."""
@@ -205,9 +184,10 @@ class OpenAIServing:
         return s
 
     # ------------------------------------------------------------------ submission
-    def build_subs(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[SubRequest]:
+    def build_subs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                   cache_salt: str | None = None) -> list[SubRequest]:
         """One engine request per prompt; the engine forks its n (best_of) samples off the shared prompt."""
-        return [SubRequest(f"{request_id}-{i}", ids, params, i) for i, ids in enumerate(prompts)]
+        return [SubRequest(f"{request_id}-{i}", ids, params, i, cache_salt) for i, ids in enumerate(prompts)]
 
     async def submit(self, subs: list[SubRequest], priority: int) -> RequestGroup:
         self.check_accepting()
@@ -217,8 +197,10 @@ class OpenAIServing:
             raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
-        except self._invalid_types as exc:
-            raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
+        except InvalidRequestError as exc:
+            raise _bad_request(exc) from None
+        except SamplingParamsError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
 
     async def collect(self, group: RequestGroup, request: Request) -> dict[int, RequestOutput]:
         """Wait for every sub-request's final output; a client that disconnects aborts the group."""

@@ -16,18 +16,17 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from pagedmodel import metrics_contract as mc
 from .admission import Clock
 from .strategies import UpstreamView
 
 logger = logging.getLogger("pagedmodel.router")
 
-SCRAPED = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:num_requests_waiting": "waiting",
-           "vllm:num_requests_running": "running",
-           # The engine's --max-num-seqs, when it exports it: becomes the in-flight cap unless
-           # --max-inflight-per-upstream pins one (the engine would only queue what lies beyond).
-           "pagedmodel:max_num_seqs": "max_num_seqs"}
+# engine metric -> Upstream attribute. The engine's --max-num-seqs, when it exports it, becomes the
+# in-flight cap unless --max-inflight-per-upstream pins one (the engine would only queue what lies beyond).
+SCRAPED = {mc.KV_CACHE_USAGE.name: "kv_usage", mc.NUM_REQUESTS_WAITING.name: "waiting",
+           mc.NUM_REQUESTS_RUNNING.name: "running", mc.MAX_NUM_SEQS.name: "max_num_seqs"}
 
 
 def normalise_url(url: str) -> str:
@@ -160,12 +159,8 @@ class UpstreamPool:
     # scraping
 
     def apply_scrape(self, up: Upstream, metrics_text: str) -> None:
-        values: dict[str, float] = {}
-        for family in text_string_to_metric_families(metrics_text):
-            for sample in family.samples:
-                attr = SCRAPED.get(sample.name)
-                if attr is not None:
-                    values[attr] = values.get(attr, 0.0) + float(sample.value)  # summed over model_name labels
+        # summed over model_name label sets (one engine serves one model)
+        values = {SCRAPED[name]: v for name, v in mc.sums(metrics_text, SCRAPED).items()}
         if self.max_inflight is None and values.get("max_num_seqs", 0) >= 1:
             up.max_inflight = int(values["max_num_seqs"])
         up.kv_usage = values.get("kv_usage")

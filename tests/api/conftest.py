@@ -71,16 +71,18 @@ class ServerProcess:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value}, plus label-free sums under the bare name."""
+    """Prometheus text -> {'name{labels}': value}, plus label-free sums under the bare name.
+
+    Parsed by the metrics contract's parser (the one in the tree); the keys are what the tests look up.
+    """
+    from pagedmodel import metrics_contract as mc
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        out[key] = float(value)
-        bare = key.split("{", 1)[0]
-        if "{" in key and "le=" not in key:
-            out[bare] = out.get(bare, 0.0) + float(value)
+    for s in mc.parse(text):
+        labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items())
+        out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        if labels and "le" not in s.labels:
+            out[s.name] = out.get(s.name, 0.0) + s.value
     return out
 
 
@@ -112,7 +114,7 @@ class InProcessServer:
 
         kw = dict(model=str(model_dir), device="cpu", max_model_len=128, kv_cache_memory=4 << 20)
         kw.update(engine_overrides)
-        self.engine = LLMEngine.from_engine_args(EngineArgs(**kw))
+        self.engine = LLMEngine(EngineArgs(**kw))
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
 

@@ -35,7 +35,7 @@ class RecordingEngine:
         self.lock = threading.Lock()
         self.fail_step = False
 
-    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0):
+    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None):
         if not prompt:
             raise ValueError("empty prompt")
         with self.lock:
@@ -174,7 +174,7 @@ def test_real_engine_outputs_are_not_mutated_by_later_steps(server_model_dir) ->
     from pagedmodel.server.engine.args import EngineArgs
     from pagedmodel.server.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(server_model_dir), device="cpu", max_model_len=64,
+    engine = LLMEngine(EngineArgs(model=str(server_model_dir), device="cpu", max_model_len=64,
                                                    kv_cache_memory=1 << 20))
     engine.add_request("m1", [1, 2, 3], SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1, logprobs=1,
                                                        ignore_eos=True))

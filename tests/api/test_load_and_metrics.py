@@ -44,6 +44,20 @@ def test_kv_budget_is_the_one_asked_for(small_server: ServerProcess) -> None:
     assert small_server.metrics()[f"pagedmodel:kv_cache_blocks_total{LBL}"] == 64
 
 
+def test_block_allocations_are_timed_into_the_histogram(small_server: ServerProcess) -> None:
+    """pagedmodel:kv_block_allocation_seconds counts the engine's allocations (served from its stats)."""
+    name = "pagedmodel:kv_block_allocation_seconds"
+    before = small_server.metrics()
+    r = httpx.post(small_server.base_url + "/v1/completions",
+                   json={"model": MODEL, "prompt": [7] * 40, "max_tokens": 20, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    after = wait_until(lambda: (lambda m: m if m[f"{name}_count{LBL}"] > before[f"{name}_count{LBL}"] else None)(
+        small_server.metrics()), timeout=10)
+    assert after, "no allocation was observed"
+    assert after[f'{name}_bucket{{le="+Inf",model_name="small"}}'] == after[f"{name}_count{LBL}"]
+    assert after[f"{name}_sum{LBL}"] >= before[f"{name}_sum{LBL}"]
+
+
 def test_metrics_token_counters_match_real_counts(small_server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=small_server.base_url + "/v1", api_key="unused", max_retries=0)
     before = small_server.metrics()
