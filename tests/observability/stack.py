@@ -48,7 +48,10 @@ class Process:
 class OperatorLoop:
     """Reconcile passes of one PagedModel every `period` s (policy clock 10 s per pass), counted by the
     operator's telemetry and served on its metrics port. The first pass's scrape fails on purpose, so
-    the scrape-failure counter has a sample."""
+    the scrape-failure counter has a sample; at pass BUMP_AT a user raises minReplicas to 2, so the
+    desired replicas change (the dashboard's scale-event annotation)."""
+
+    BUMP_AT = 8
 
     def __init__(self, engine_url: str, period: float = 0.5):
         from pagedmodel.operator.reconcile import reconcile
@@ -69,7 +72,10 @@ class OperatorLoop:
                 raise ConnectionError("refused (the first pass fails on purpose)")
             return http_fetch(engine_url + "/metrics")      # every engine pod is the one real engine
 
-        def one(t: float) -> None:
+        def one(i: int, t: float) -> None:
+            if i == self.BUMP_AT:
+                sim.pm["spec"]["autoscaling"] = {**sim.pm["spec"]["autoscaling"], "minReplicas": 2}
+                sim.pm["metadata"]["generation"] += 1
             started = time.monotonic()
             out = reconcile(sim.kube, sim.pm, router_enabled=False, now=iso(t), clock=t, fetch=fetch,
                             memory=sim.memory)
@@ -82,7 +88,7 @@ class OperatorLoop:
             for i in itertools.count():
                 if self._stop.wait(period if i else 0):
                     return
-                one(T0 + 10 * i)
+                one(i, T0 + 10 * i)
         self.thread = threading.Thread(target=loop, daemon=True, name="operator-passes")
         self.thread.start()
 
