@@ -456,17 +456,8 @@ def run_graphs(device: torch.device, dry: bool, model: str | None, batches: list
                               capture_mib=None if runner.stats.capture_bytes is None
                               else runner.stats.capture_bytes / 2**20)
             llm.generate(PROMPT_STEMS[:2], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm up
-            tokens[mode], speed[mode] = {}, {}
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            for b in batches:
-                prompts = [f"{PROMPT_STEMS[i % len(PROMPT_STEMS)]} ({i})" for i in range(b)]
-                _sync(device)
-                start = time.perf_counter()
-                outs = llm.generate(prompts, params)
-                _sync(device)
-                elapsed = time.perf_counter() - start
-                tokens[mode][b] = [list(o.outputs[0].token_ids) for o in outs]
-                speed[mode][b] = sum(len(t) for t in tokens[mode][b]) / elapsed
+            tokens[mode], speed[mode] = _time_batches(llm, params, device, batches)
             if mode == "graphs":
                 result["graph_replays"] = sum(runner.stats.replays.values())
                 result["graph_replays_by_size"] = {str(k): v for k, v in sorted(runner.stats.replays.items())}
@@ -483,6 +474,30 @@ def run_graphs(device: torch.device, dry: bool, model: str | None, batches: list
                 os.environ.pop(GRAPHS_ENV, None)
             else:
                 os.environ[GRAPHS_ENV] = saved_env
+    result["rows"] = _graph_rows(batches, tokens, speed)
+    return result
+
+
+def _time_batches(llm: Any, params: Any, device: torch.device,
+                  batches: list[int]) -> tuple[dict[int, list[list[int]]], dict[int, float]]:
+    """Per batch size: every prompt's generated tokens, and the batch's tokens/s."""
+    tokens: dict[int, list[list[int]]] = {}
+    speed: dict[int, float] = {}
+    for b in batches:
+        prompts = [f"{PROMPT_STEMS[i % len(PROMPT_STEMS)]} ({i})" for i in range(b)]
+        _sync(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        tokens[b] = [list(o.outputs[0].token_ids) for o in outs]
+        speed[b] = sum(len(t) for t in tokens[b]) / elapsed
+    return tokens, speed
+
+
+def _graph_rows(batches: list[int], tokens: dict[str, dict[int, list[list[int]]]],
+                speed: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
+    """One row per batch size: each mode's tokens/s, and the speed-up and agreement when both ran."""
     rows = []
     for b in batches:
         row: dict[str, Any] = {"batch": b}
@@ -494,8 +509,7 @@ def run_graphs(device: torch.device, dry: bool, model: str | None, batches: list
             row["identical"] = sum(a == g for a, g in zip(tokens["eager"][b], tokens["graphs"][b]))
             row["of"] = b
         rows.append(row)
-    result["rows"] = rows
-    return result
+    return rows
 
 
 def _sync(device: torch.device) -> None:

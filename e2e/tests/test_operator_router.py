@@ -24,7 +24,8 @@ import httpx
 import openai
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
+
+from pagedmodel import metrics_contract as mc
 
 from .helpers import wait_until
 from .test_operator_pagedmodel import operator, pagedmodel_crd  # noqa: F401  (pagedmodel_crd: fixture)
@@ -78,8 +79,7 @@ def pod_url(cluster, namespace: str, pod: dict[str, Any]) -> Iterator[str]:
 
 def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     """Every sample of one metric, keyed by its sorted labels."""
-    return {tuple(sorted(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples if s.name == name}
+    return {tuple(sorted(s.labels.items())): s.value for s in mc.parse(text) if s.name == name}
 
 
 def engine_pods(cluster, namespace: str) -> list[dict[str, Any]]:
