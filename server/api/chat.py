@@ -15,7 +15,7 @@ from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompleti
                        ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
                        UsageInfo, random_id)
 from .serving import OpenAIServing
-from .streaming import DeltaTracker, guarded_stream, sse, stream_headers
+from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request) -> Response:
@@ -82,9 +82,7 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
                                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))
         if include_usage:
-            yield sse(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=[],
-                usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                total_tokens=prompt_tokens + completion_tokens)))
+            yield usage_chunk(ChatCompletionStreamResponse, request_id, created, model, prompt_tokens,
+                              completion_tokens)
 
     return guarded_stream(serving, group, body())

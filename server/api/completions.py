@@ -15,7 +15,7 @@ from .logprobs import completion_logprobs, prepend_prompt_logprobs
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        CompletionStreamResponse, UsageInfo, random_id)
 from .serving import OpenAIServing
-from .streaming import DeltaTracker, guarded_stream, sse, stream_headers
+from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk
 
 
 async def prepare_completion(serving: OpenAIServing, req: CompletionRequest) -> tuple[SamplingParams, list[tuple[list[int], str | None]]]:
@@ -119,9 +119,6 @@ def stream_completion(serving: OpenAIServing, request: Request, req: CompletionR
         prompt_tokens = sum(len(ids) for ids, _ in tokenized)
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))
         if include_usage:
-            yield sse(CompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=[],
-                usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                total_tokens=prompt_tokens + completion_tokens)))
+            yield usage_chunk(CompletionStreamResponse, request_id, created, model, prompt_tokens, completion_tokens)
 
     return guarded_stream(serving, group, body())

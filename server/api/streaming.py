@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from pagedmodel.server.engine.outputs import CompletionOutput
 from .async_engine import EngineDeadError, RequestGroup
 from .errors import APIError
+from .protocol import UsageInfo
 from .serving import OpenAIServing
 
 logger = logging.getLogger("pagedmodel.server.api")
@@ -41,6 +42,14 @@ async def guarded_stream(serving: OpenAIServing, group: RequestGroup, body: Asyn
         # A client that went away cancels us at the await above; this frees its KV blocks before the next step.
         serving.async_engine.abort(group)
     yield "data: [DONE]\n\n"
+
+
+def usage_chunk(response_cls: type[BaseModel], request_id: str, created: int, model: str, prompt_tokens: int,
+                completion_tokens: int) -> str:
+    """The last chunk of a stream asked for `stream_options.include_usage`: no choices, the token counts."""
+    return sse(response_cls(id=request_id, created=created, model=model, choices=[],
+                            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                            total_tokens=prompt_tokens + completion_tokens)))
 
 
 class DeltaTracker:
