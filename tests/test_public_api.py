@@ -33,3 +33,13 @@ def test_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'LLMEngine'"):
         pagedmodel.LLMEngine  # noqa: B018  (not public: the engine class is pagedmodel.server.engine's)
     assert {"LLM", "SamplingParams", "RequestOutput", "EngineArgs"} <= set(dir(pagedmodel))
+
+
+def test_cli_builds_every_subcommand_without_loading_torch() -> None:
+    """Every subcommand module is imported to build `pagedmodel --help`; the engine's torch loads only in run()."""
+    r = _run("import sys\nfrom pagedmodel.cli import SUBCOMMANDS, build_parser\n"
+             "parser = build_parser()\n"
+             "sub = next(a for a in parser._actions if a.dest == 'command')\n"
+             "print(sorted(sub.choices) == sorted(SUBCOMMANDS), 'torch' in sys.modules)")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False"]
