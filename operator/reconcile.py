@@ -109,17 +109,15 @@ def _scrape_pass(kube: Kube, pm: dict[str, Any], pods: list[dict[str, Any]], obs
     model, namespace, key = meta["name"], meta["namespace"], meta.get("uid", meta["name"])
     ready = ready_pods(pods)
     scrapes = scrape(ready, names.ENGINE_PORT, fetch)
-    queue = None
+    queue, failed_routers = None, []
     if observed.router_enabled:
         routers = ready_pods(kube.pods(namespace, names.selector_string(model, names.ROUTER)))
         router_scrapes = scrape(routers, names.ENGINE_PORT, fetch, parse=parse_router_queue)
         answers = [r.sample for r in router_scrapes if r.sample is not None]
         queue = sum(answers) if answers else None
-        scrapes_failed = [r.pod for r in router_scrapes if r.sample is None]
-    else:
-        scrapes_failed = []
+        failed_routers = [r.pod for r in router_scrapes if r.sample is None]
     observation, memory.baselines[key] = observe(scrapes, memory.baselines.get(key, {}), clock, router_queue=queue)
-    return ScrapeResult(len(ready), scrapes, observation, failed_routers=scrapes_failed)
+    return ScrapeResult(len(ready), scrapes, observation, failed_routers=failed_routers)
 
 
 def _apply(kube: Kube, pm: dict[str, Any], observed: Observed, engine: dict[str, Any], events: list[Event]) -> None:
