@@ -308,8 +308,7 @@ PROMPT_STEMS = [
 def run_e2e(device: torch.device, dry: bool, model: str | None, num_prompts: int | None,
             max_tokens: int | None) -> dict[str, Any]:
     try:
-        from pagedmodel.server.engine.llm import LLM
-        from pagedmodel.server.engine.sampling_params import SamplingParams
+        from pagedmodel import LLM, SamplingParams
     except ImportError as exc:
         return {"skipped": f"engine not importable: {exc}"}
     model, skipped = _resolve_model(model, dry)
@@ -424,8 +423,7 @@ def run_graphs(device: torch.device, dry: bool, model: str | None, batches: list
     not that it is fast."""
     try:
         from pagedmodel.server.engine.cuda_graph_runner import GRAPHS_ENV
-        from pagedmodel.server.engine.llm import LLM
-        from pagedmodel.server.engine.sampling_params import SamplingParams
+        from pagedmodel import LLM, SamplingParams
     except ImportError as exc:
         return {"skipped": f"engine not importable: {exc}"}
     model, skipped = _resolve_model(model, dry)

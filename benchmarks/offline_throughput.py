@@ -28,8 +28,7 @@ def make_prompts(tokenizer, num: int, min_len: int, max_len: int, seed: int) -> 
 
 
 def bench_ours(model_dir, prompts, output_len, dtype, block_size) -> float:
-    from pagedmodel.server.engine.llm import LLM
-    from pagedmodel.server.engine.sampling_params import SamplingParams
+    from pagedmodel import LLM, SamplingParams
 
     llm = LLM(str(model_dir), device="cpu", dtype=dtype, block_size=block_size)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

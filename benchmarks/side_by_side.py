@@ -82,8 +82,7 @@ def describe(reqs: list[Req]) -> str:
 # ------------------------------------------------------------------ offline engines
 
 def run_ours(model_dir: str, reqs: list[Req], args, prefix_caching: bool) -> dict:
-    from pagedmodel.server.engine.llm import LLM
-    from pagedmodel.server.engine.sampling_params import SamplingParams
+    from pagedmodel import LLM, SamplingParams
 
     llm = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048,
               enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager)
@@ -99,8 +98,7 @@ def step_overhead(model_dir: str, args) -> dict:
     """Per-step overhead -- scheduler, block manager, input preparation, sampling, detokenization:
     everything but the model's forward and logits -- in decode steps of 1, 64 and 256 running
     100-token sequences (an engine of its own, max-num-seqs 256)."""
-    from pagedmodel.server.engine.llm import LLM
-    from pagedmodel.server.engine.sampling_params import SamplingParams
+    from pagedmodel import LLM, SamplingParams
 
     engine = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=256, max_model_len=2048,
                  enforce_eager=args.enforce_eager).engine
