@@ -19,7 +19,7 @@ class EngineArgs:
     served_model_name: str | None = None
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None   # None: max(max_model_len, 2048) -- one full prompt fits
+    max_num_batched_tokens: int | None = None   # None: 2048 (chunked prefill splits longer prompts)
     max_model_len: int | None = None            # None: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None          # bytes for the KV cache; CPU default 1 GiB

@@ -1,9 +1,9 @@
 """Beam search decisions, one decode step at a time, with the semantics of HF transformers 5.x
 ``generate(num_beams=W, do_sample=False, length_penalty=L, early_stopping=E)``.
 
-Pure logic: the engine runs the model, hands over each step's log-softmax rows (one per live beam),
-and realizes the returned decisions by forking / freeing sequences that share KV blocks. Nothing here
-touches a model or a KV cache.
+Pure logic: BeamGroup (beam_group.py) hands over each step's log-softmax rows (one per live beam), and
+the scheduler's ``update_from_output`` realizes the returned decisions by forking / freeing sequences
+that share KV blocks. Nothing here touches a model or a KV cache.
 
 The semantics, per step (``g`` = number of generated tokens after this step, the new token included):
 
@@ -149,7 +149,7 @@ class BeamSearch:
         """All hypotheses, best first.
 
         After a step returned ``done``, call it without arguments. To end a request that is not done
-        (e.g. cut short by the engine), pass its live beams: they compete as hypotheses of their length.
+        (e.g. a caller stopping it early), pass its live beams: they compete as hypotheses of their length.
         """
         if self._done:
             if beam_tokens is not None or beam_cum_logprobs is not None:
