@@ -47,6 +47,7 @@ class RemoteNodeApi:
         self._sent: dict[str, dict[str, Any]] = {}              # uid -> last status written
         self._writes: dict[tuple[str, str], Callable[[], Any]] = {}   # latest write per key wins
         self._events: dict[tuple[str, str, str], tuple[str, int]] = {}
+        self._unsent_events: dict[str, dict[str, Any]] = {}   # event name -> body whose POST is still queued
         self._wake_writer = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._node: dict[str, Any] = {}
@@ -191,9 +192,14 @@ class RemoteNodeApi:
         self._events[key] = (name, count + 1)
         base = f"/api/v1/namespaces/{meta['namespace']}/events"
         ts = now_iso()
+        unsent = self._unsent_events.get(name)
+        if count and unsent is not None:
+            # Its POST is still queued: writes coalesce by key, so a PATCH here would replace the create
+            # and patch an event that does not exist yet. The repeat rides on the create instead.
+            unsent.update(count=count + 1, lastTimestamp=ts)
+            return
         if count:
-            patch = {"count": count + 1, "lastTimestamp": ts}
-            self._queue(("event", name), lambda: self.request("PATCH", f"{base}/{name}", patch, MERGE))
+            self._queue(("event", name), self._event_patch(base, name, count + 1, ts))
             return
         event = {"apiVersion": "v1", "kind": "Event", "metadata": {"name": name, "namespace": meta["namespace"]},
                  "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
@@ -201,7 +207,19 @@ class RemoteNodeApi:
                  "reason": reason, "message": message, "type": event_type, "count": 1,
                  "source": {"component": "kubelet", "host": self.node_name}, "firstTimestamp": ts,
                  "lastTimestamp": ts, "reportingComponent": "kubelet", "reportingInstance": self.node_name}
-        self._queue(("event", name), lambda: self.request("POST", base, event))
+        self._unsent_events[name] = event
+
+        async def create() -> None:
+            sent = event["count"]
+            await self.request("POST", base, event)
+            self._unsent_events.pop(name, None)
+            if event["count"] != sent:   # repeats arrived while the POST was in flight
+                self._queue(("event", name), self._event_patch(base, name, event["count"], event["lastTimestamp"]))
+        self._queue(("event", name), create)
+
+    def _event_patch(self, base: str, name: str, count: int, ts: str) -> Callable[[], Any]:
+        patch = {"count": count, "lastTimestamp": ts}
+        return lambda: self.request("PATCH", f"{base}/{name}", patch, MERGE)
 
     async def _writer(self) -> None:
         while True:
