@@ -307,10 +307,7 @@ PROMPT_STEMS = [
 
 def run_e2e(device: torch.device, dry: bool, model: str | None, num_prompts: int | None,
             max_tokens: int | None) -> dict[str, Any]:
-    try:
-        from pagedmodel import LLM, SamplingParams
-    except ImportError as exc:
-        return {"skipped": f"engine not importable: {exc}"}
+    from pagedmodel import LLM, SamplingParams
     model, skipped = _resolve_model(model, dry)
     if skipped:
         return {"skipped": skipped}
@@ -421,11 +418,8 @@ def run_graphs(device: torch.device, dry: bool, model: str | None, batches: list
     size; the graph engine captures its ladder (up to the largest batch) at start-up. In a dry run
     the graphs are the CPU stand-in (``PAGEDMODEL_CUDA_GRAPHS=emulate``): it proves the path runs,
     not that it is fast."""
-    try:
-        from pagedmodel.server.engine.cuda_graph_runner import GRAPHS_ENV
-        from pagedmodel import LLM, SamplingParams
-    except ImportError as exc:
-        return {"skipped": f"engine not importable: {exc}"}
+    from pagedmodel import LLM, SamplingParams
+    from pagedmodel.server.engine.cuda_graph_runner import GRAPHS_ENV
     model, skipped = _resolve_model(model, dry)
     if skipped:
         return {"skipped": skipped}
