@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .structured_outputs_params import StructuredOutputsParams
 
 MAX_N = 16          # samples (or beams) per request; more is a 400, not an OOM
 MAX_STOP_STRINGS = 32
@@ -41,6 +45,7 @@ class SamplingParams:
     logprobs: int | None = None   # top-k logprobs per generated token (0 = only the chosen one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: "StructuredOutputsParams | None" = None   # constrained decoding (structured_outputs.md)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,3 +119,15 @@ class SamplingParams:
                 fail("beam search needs a width (best_of, or n) of at least 2", "best_of")
         elif self.greedy and self.best_of > 1:
             fail("greedy sampling (temperature 0) with n or best_of > 1 would return identical samples", "n")
+        self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        from .structured_outputs_params import StructuredOutputsParams   # it imports this module's error
+
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+        if self.use_beam_search:
+            raise SamplingParamsError("beam search cannot be combined with structured outputs", so.param)
