@@ -126,6 +126,18 @@ ROUTER_UPSTREAM_HEALTHY = _router("pagedmodel_router_upstream_healthy", "gauge",
                                   "1 when the upstream is in rotation, 0 ejected.", ("upstream",))
 ROUTER_RETRIES = _router("pagedmodel_router_retries", "counter",
                          "Requests re-sent to another upstream after a connection failure.")
+# tenant limits and fair queueing (server/router/token_limits.py); the tenant label is capped (rest: "other")
+ROUTER_TENANT_REQUESTS = _router("pagedmodel_router_tenant_requests", "counter",
+                                 "Requests per tenant at the token limits, by outcome (admitted, rejected).",
+                                 ("tenant", "outcome"))
+ROUTER_TENANT_TOKENS = _router("pagedmodel_router_tenant_tokens", "counter",
+                               "Tokens per tenant: reserved at admission (admitted, rejected), then used.",
+                               ("tenant", "outcome"))
+# arrival rates for the autoscaler (operator/scrape.py reads them), exponentially weighted over 30 s
+ROUTER_ARRIVAL_REQUESTS = _router("pagedmodel_router_arrival_requests_per_second", "gauge",
+                                  "Requests admitted per second (exponentially weighted, 30 s).")
+ROUTER_ARRIVAL_TOKENS = _router("pagedmodel_router_arrival_tokens_per_second", "gauge",
+                                "Tokens reserved by admitted requests per second (exponentially weighted, 30 s).")
 
 
 def _operator(name: str, kind: Kind, help: str, labels: tuple[str, ...] = ("namespace", "pagedmodel"),

@@ -1,8 +1,9 @@
 """`pagedmodel router`: an asynchronous OpenAI-API proxy in front of engine replicas.
 
-Per request: rate limit (429) -> free upstream slot now, else the bounded priority queue
-(503 when full or timed out) -> strategy picks the upstream -> the response is streamed back
-chunk by chunk. A connection failure before any response byte is retried on another upstream;
+Per request: rate limit (429) -> the tenant's request and token limits (429 with OpenAI's
+x-ratelimit-* headers, tenancy.py) -> free upstream slot now, else the bounded priority queue, fair
+between tenants (503 when full or timed out) -> strategy picks the upstream -> the response is
+streamed back chunk by chunk, its usage settling the tenant's reservation. A connection failure before any response byte is retried on another upstream;
 an upstream failing repeatedly is ejected and re-probed (upstreams.py). Mid-stream failures
 end an SSE stream with an OpenAI-style error event, which the `openai` SDK raises as APIError.
 
@@ -33,6 +34,9 @@ from .discovery import PodDiscovery, current_namespace
 from .metrics import RouterMetrics
 from .queue import AdmissionQueue, QueueFull, QueueTimeout, Ticket
 from .strategies import STRATEGIES, Router
+from .tenancy import Admission, Tenancy
+from .token_limits import Limits, TenantLimiter, TokenDecision, parse_tenant_limit
+from .usage import UsageMeter
 from .upstreams import Upstream, UpstreamPool, scrape_once
 
 logger = logging.getLogger("pagedmodel.router")
@@ -62,11 +66,21 @@ class RouterConfig:
     eject_backoff: float = 1.0
     eject_max_backoff: float = 30.0
     max_attempts: int = 3
+    tenant_header: str | None = None
+    tenant_requests_per_minute: float | None = None
+    tenant_tokens_per_minute: float | None = None
+    tenant_overrides: dict[str, Limits] = field(default_factory=dict)
+    default_max_tokens: int = 256      # completion tokens reserved for a request that names no max_tokens
 
 
-def _error(status: int, message: str, *, code: str | None = None, retry_after: int | None = None) -> web.Response:
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return web.json_response(APIError(status, message, code=code).body(), status=status, headers=headers)
+def _error(status: int, message: str, *, code: str | None = None, retry_after: int | None = None,
+           err_type: str | None = None, param: str | None = None,
+           headers: dict[str, str] | None = None) -> web.Response:
+    headers = dict(headers or {})
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return web.json_response(APIError(status, message, code=code, err_type=err_type, param=param).body(),
+                             status=status, headers=headers or None)
 
 
 def _prompt_key(body: dict[str, Any]) -> str:
@@ -93,6 +107,7 @@ def _prompt_key(body: dict[str, Any]) -> str:
 class _Pending:
     prompt: str
     upstream: Upstream | None = None
+    admission: Admission | None = None
     exclude: set[str] = field(default_factory=set)
 
 
@@ -113,6 +128,10 @@ class RouterApp:
         self.queue = AdmissionQueue(cfg.max_queue_len, cfg.queue_timeout, clock=clock)
         self.router = Router(cfg.strategy)
         self.metrics = RouterMetrics()
+        limits = Limits(cfg.tenant_requests_per_minute, cfg.tenant_tokens_per_minute)
+        self.tenancy = Tenancy(TenantLimiter(limits, overrides=cfg.tenant_overrides, header=cfg.tenant_header,
+                                             clock=clock), self.queue, self.metrics,
+                               default_max_tokens=cfg.default_max_tokens, clock=clock)
         self.session: aiohttp.ClientSession | None = None
         self._background: asyncio.Task[None] | None = None
         self._gauged: set[str] = set()
@@ -177,6 +196,7 @@ class RouterApp:
 
     def _update_gauges(self) -> None:
         self.metrics.queue_length.set(len(self.queue))
+        self.tenancy.update_gauges()
         for up in self.pool.upstreams.values():
             self.metrics.inflight.labels(up.url).set(up.inflight)
             self.metrics.healthy.labels(up.url).set(0 if up.ejected else 1)
@@ -207,17 +227,22 @@ class RouterApp:
             self.pool.acquire(up)
             pending.upstream = up
             self.queue.grant_next()
+            if pending.admission is not None:
+                self.tenancy.dispatched(pending.admission, queued=True)
         self.metrics.queue_length.set(len(self.queue))
 
-    async def _acquire(self, priority: int, prompt: str, exclude: set[str]) -> Upstream:
+    async def _acquire(self, priority: int, prompt: str, exclude: set[str], adm: Admission | None) -> Upstream:
         """A slot on an upstream: at once when one is free and nobody waits, else through the queue."""
         if len(self.queue) == 0:
             up = self._pick(prompt, exclude)
             if up is not None:
                 self.pool.acquire(up)
+                if adm is not None:
+                    self.tenancy.dispatched(adm, queued=False)
                 return up
-        pending = _Pending(prompt, exclude=exclude)
-        ticket: Ticket = self.queue.enqueue(priority, with_future=True, payload=pending)
+        pending = _Pending(prompt, exclude=exclude, admission=adm)
+        ticket: Ticket = self.queue.enqueue(priority, with_future=True, payload=pending,
+                                            tenant=adm.tenant if adm else "", cost=adm.reserved if adm else 0)
         self.metrics.queue_length.set(len(self.queue))
         self._dispatch()
         try:
@@ -250,7 +275,7 @@ class RouterApp:
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         """Served models, from any ready upstream (they all serve the same model)."""
-        return await self._forward(request, "GET", b"", priority=0, prompt="")
+        return await self._forward(request, "GET", b"", priority=0, prompt="", adm=None)
 
     async def proxy_post(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -270,20 +295,32 @@ class RouterApp:
             return self._count(_error(429, f"rate limit exceeded ({decision.scope}); retry after "
                                            f"{decision.retry_after}s", code="rate_limit_exceeded",
                                       retry_after=decision.retry_after))
-        return await self._forward(request, "POST", body, priority=priority, prompt=_prompt_key(payload))
+        adm = self.tenancy.admit(request.headers, payload)
+        if isinstance(adm, TokenDecision):
+            return self._count(self._tenant_refusal(adm))
+        try:
+            return await self._forward(request, "POST", body, priority=priority, prompt=_prompt_key(payload), adm=adm)
+        finally:
+            self.tenancy.finish(adm)
+
+    def _tenant_refusal(self, refused: TokenDecision) -> web.Response:
+        self.metrics.rate_limited.labels("tenant").inc()
+        # OpenAI's shape: type names the exhausted limit ("requests" or "tokens"), code rate_limit_exceeded.
+        return _error(429, refused.message, code="rate_limit_exceeded", err_type=refused.scope,
+                      param=refused.param, retry_after=refused.retry_after, headers=refused.headers)
 
     def _count(self, resp: web.StreamResponse) -> web.StreamResponse:
         self.metrics.requests.labels(str(resp.status)).inc()
         return resp
 
     async def _forward(self, request: web.Request, method: str, body: bytes, *, priority: int,
-                       prompt: str) -> web.StreamResponse:
+                       prompt: str, adm: Admission | None) -> web.StreamResponse:
         assert self.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         tried: set[str] = set()
         for attempt in range(self.cfg.max_attempts):
             try:
-                up = await self._acquire(priority, prompt, tried)
+                up = await self._acquire(priority, prompt, tried, adm)
             except QueueFull as exc:
                 return self._count(_error(503, "router queue is full", code="queue_full",
                                           retry_after=exc.retry_after))
@@ -305,7 +342,7 @@ class RouterApp:
                     self.metrics.retries.inc()
                 continue
             try:
-                relayed = await self._relay(request, upstream_resp, up)
+                relayed = await self._relay(request, upstream_resp, up, adm)
             except BaseException:
                 upstream_resp.close()   # client gone or relay broken: drop the upstream connection (aborts it)
                 raise
@@ -319,7 +356,7 @@ class RouterApp:
                                   code="upstream_unreachable"))
 
     async def _relay(self, request: web.Request, upstream_resp: aiohttp.ClientResponse,
-                     up: Upstream) -> web.StreamResponse:
+                     up: Upstream, adm: Admission | None) -> web.StreamResponse:
         """Copy status and headers, then each chunk as it arrives (never the whole body at once)."""
         # Only gateway-type answers count against the replica: a 500 may be one poisoned request (three
         # of them must not eject every healthy engine) and a 503 is back-pressure from a live engine.
@@ -332,10 +369,17 @@ class RouterApp:
             if k.lower() not in _HOP:
                 resp.headers.add(k, v)
         is_sse = upstream_resp.content_type == "text/event-stream"
+        meter = UsageMeter(streamed=is_sse)
+        if adm is not None:
+            for k, v in adm.headers.items():
+                resp.headers[k] = v
+            adm.meter, adm.relayed, adm.status = meter, True, upstream_resp.status
         await resp.prepare(request)
         try:
             async for chunk in upstream_resp.content.iter_any():
+                meter.feed(chunk)
                 await resp.write(chunk)
+            meter.finish()
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             logger.warning("upstream %s failed mid-response: %s", up.url, exc)
             self.pool.record_failure(up)
@@ -375,6 +419,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client-burst", type=_positive_int, default=None)
     parser.add_argument("--client-header", default=None,
                         help="header naming the client for per-client limits (default: the bearer API key)")
+    parser.add_argument("--tenant-header", default=None,
+                        help="header naming the tenant for token limits and fair queueing (default: the API key)")
+    parser.add_argument("--tenant-requests-per-minute", type=_positive_float, default=None, metavar="RPM",
+                        help="requests per minute each tenant may send; off when not given")
+    parser.add_argument("--tenant-tokens-per-minute", type=_positive_float, default=None, metavar="TPM",
+                        help="tokens per minute each tenant may use (prompt estimate + max_tokens reserved, "
+                             "settled by usage); off when not given")
+    parser.add_argument("--tenant-limit", action="append", default=[], type=_tenant_limit,
+                        metavar="NAME:requests=RPM,tokens=TPM", help="one tenant's own limits; repeatable")
+    parser.add_argument("--default-max-tokens", type=_positive_int, default=256,
+                        help="completion tokens reserved for a request that sets no max_tokens")
     parser.add_argument("--max-queue-len", type=_non_negative_int, default=256,
                         help="requests that may wait for an upstream slot before 503")
     parser.add_argument("--queue-timeout", type=_positive_float, default=30.0, metavar="S",
@@ -391,6 +446,13 @@ def _positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
     return value
+
+
+def _tenant_limit(text: str) -> tuple[str, Limits]:
+    try:
+        return parse_tenant_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -414,7 +476,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         burst=args.burst, client_rate_limit=args.client_rate_limit, client_burst=args.client_burst,
                         client_header=args.client_header, max_queue_len=args.max_queue_len,
                         queue_timeout=args.queue_timeout, max_inflight_per_upstream=args.max_inflight_per_upstream,
-                        scrape_interval=args.scrape_interval)
+                        scrape_interval=args.scrape_interval, tenant_header=args.tenant_header,
+                        tenant_requests_per_minute=args.tenant_requests_per_minute,
+                        tenant_tokens_per_minute=args.tenant_tokens_per_minute,
+                        tenant_overrides=dict(args.tenant_limit), default_max_tokens=args.default_max_tokens)
 
 
 async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awaitable[None] | None] | None = None,
