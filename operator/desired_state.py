@@ -253,6 +253,27 @@ def router_args(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) ->
             args += ["--client-burst", str(per_client["burst"])]
         if per_client.get("header"):
             args += ["--client-header", per_client["header"]]
+    if router.get("tenantLimits"):
+        args += tenant_limit_args(router["tenantLimits"], router["replicas"])
+    return args
+
+
+def tenant_limit_args(limits: dict[str, Any], routers: int) -> list[str]:
+    """The router flags for spec.router.tenantLimits. The limits are the model's: each of N router replicas
+    enforces 1/N of every one, so the total holds when the Service spreads a tenant's requests evenly."""
+    share = max(1, routers)
+    args = ["--tenant-header", limits["header"]] if limits.get("header") else []
+    for key, flag in (("requestsPerMinute", "--tenant-requests-per-minute"),
+                      ("tokensPerMinute", "--tenant-tokens-per-minute")):
+        if limits.get(key) is not None:
+            args += [flag, _num(limits[key] / share)]
+    if limits.get("defaultMaxTokens") is not None:
+        args += ["--default-max-tokens", str(limits["defaultMaxTokens"])]
+    for item in limits.get("overrides") or []:
+        parts = [f"{word}={_num(item[key] / share)}" for key, word in (("requestsPerMinute", "requests"),
+                                                                      ("tokensPerMinute", "tokens"))
+                 if item.get(key) is not None]
+        args += ["--tenant-limit", f"{item['tenant']}:{','.join(parts)}"]
     return args
 
 

@@ -249,4 +249,44 @@ def validate(spec: dict[str, Any]) -> list[SpecError]:
         elif "header" in per_client and not (isinstance(per_client["header"], str)
                                              and _HEADER.match(per_client["header"])):
             errors.append(SpecError(f"{where}.header", "must be an HTTP header name such as X-Tenant"))
+    if router.get("tenantLimits") is not None:
+        errors += _tenant_limit_errors(router["tenantLimits"])
+    return errors
+
+
+_TENANT = re.compile(r"^\S{1,128}$")
+
+
+def _tenant_limit_errors(limits: Any) -> list[SpecError]:
+    """spec.router.tenantLimits: per-minute numbers > 0, a header name, overrides naming distinct tenants."""
+    where = "spec.router.tenantLimits"
+    if not isinstance(limits, dict):
+        return [SpecError(where, "must be an object")]
+    errors: list[SpecError] = []
+    for key in ("requestsPerMinute", "tokensPerMinute"):
+        if key in limits and not _POSITIVE[0](limits[key]):
+            errors.append(SpecError(f"{where}.{key}", "must be a number > 0"))
+    if "defaultMaxTokens" in limits and not _int_in(1)[0](limits["defaultMaxTokens"]):
+        errors.append(SpecError(f"{where}.defaultMaxTokens", "must be an integer >= 1"))
+    if "header" in limits and not (isinstance(limits["header"], str) and _HEADER.match(limits["header"])):
+        errors.append(SpecError(f"{where}.header", "must be an HTTP header name such as X-Tenant"))
+    overrides = limits.get("overrides")
+    if overrides is not None and not isinstance(overrides, list):
+        return errors + [SpecError(f"{where}.overrides", "must be a list of {tenant, requestsPerMinute, "
+                                                         "tokensPerMinute}")]
+    if not any(k in limits for k in ("requestsPerMinute", "tokensPerMinute", "overrides")):
+        errors.append(SpecError(where, "needs requestsPerMinute, tokensPerMinute or overrides"))
+    seen: set[str] = set()
+    for i, item in enumerate(overrides or []):
+        at = f"{where}.overrides[{i}]"
+        if not isinstance(item, dict) or not (isinstance(item.get("tenant"), str) and _TENANT.match(item["tenant"])):
+            errors.append(SpecError(f"{at}.tenant", "is required: the tenant's name, 1-128 characters, no spaces"))
+            continue
+        if item["tenant"] in seen:
+            errors.append(SpecError(f"{at}.tenant", f"tenant {item['tenant']!r} is listed twice"))
+        seen.add(item["tenant"])
+        present = [k for k in ("requestsPerMinute", "tokensPerMinute") if k in item]
+        if not present:
+            errors.append(SpecError(at, "needs requestsPerMinute or tokensPerMinute"))
+        errors += [SpecError(f"{at}.{k}", "must be a number > 0") for k in present if not _POSITIVE[0](item[k])]
     return errors

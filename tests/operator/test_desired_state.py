@@ -191,6 +191,32 @@ def test_router_shape_and_public_service_target():
     assert svc["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
 
 
+def test_tenant_limits_are_shared_out_between_router_replicas():
+    import argparse
+
+    from pagedmodel.server.router.app import add_arguments, config_from_args
+    from pagedmodel.server.router.token_limits import Limits
+    limits = {"header": "X-Tenant", "requestsPerMinute": 600, "tokensPerMinute": 90000, "defaultMaxTokens": 128,
+              "overrides": [{"tenant": "acme", "tokensPerMinute": 30000}, {"tenant": "key-0123456789ab",
+                                                                          "requestsPerMinute": 60}]}
+    for routers in (1, 3):
+        pm = make_pm({**CPU_SPEC, "router": {"replicas": routers, "tenantLimits": limits}})
+        out = by_kind(desired_state(pm, Observed(router_enabled=True)))
+        args = out[("Deployment", "smollm2-router")]["spec"]["template"]["spec"]["containers"][0]["args"]
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        cfg = config_from_args(parser.parse_args(args))     # the router accepts what the operator renders
+        assert cfg.tenant_header == "X-Tenant" and cfg.default_max_tokens == 128
+        # every router enforces 1/N, so N routers together hold the model's limits
+        assert cfg.tenant_requests_per_minute * routers == pytest.approx(600)
+        assert cfg.tenant_tokens_per_minute * routers == pytest.approx(90000)
+        assert cfg.tenant_overrides["acme"] == Limits(None, 30000 / routers)
+        assert cfg.tenant_overrides["key-0123456789ab"] == Limits(60 / routers, None)
+    pm = make_pm({**CPU_SPEC, "router": {"replicas": 2}})
+    args = by_kind(desired_state(pm, Observed(router_enabled=True)))[("Deployment", "smollm2-router")]
+    assert not any(a.startswith("--tenant") for a in args["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
 def test_pdb_allows_one_engine_down():
     pdb = by_kind(desired_state(make_pm()))[("PodDisruptionBudget", "smollm2-engine")]
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {

@@ -94,6 +94,20 @@ def test_valid_specs_have_no_errors():
     ({"router": {"perClientRateLimit": {"requestsPerSecond": 1, "header": "X Tenant"}}},
      "spec.router.perClientRateLimit.header"),
     ({"autoscaling": {"stableWindowSeconds": 0}}, "spec.autoscaling.stableWindowSeconds"),
+    ({"router": {"tenantLimits": {}}}, "spec.router.tenantLimits"),
+    ({"router": {"tenantLimits": {"tokensPerMinute": 0}}}, "spec.router.tenantLimits.tokensPerMinute"),
+    ({"router": {"tenantLimits": {"requestsPerMinute": 5, "header": "X Tenant"}}}, "spec.router.tenantLimits.header"),
+    ({"router": {"tenantLimits": {"requestsPerMinute": 5, "defaultMaxTokens": 0}}},
+     "spec.router.tenantLimits.defaultMaxTokens"),
+    ({"router": {"tenantLimits": {"overrides": "acme"}}}, "spec.router.tenantLimits.overrides"),
+    ({"router": {"tenantLimits": {"overrides": [{"tokensPerMinute": 5}]}}},
+     "spec.router.tenantLimits.overrides[0].tenant"),
+    ({"router": {"tenantLimits": {"overrides": [{"tenant": "a"}]}}}, "spec.router.tenantLimits.overrides[0]"),
+    ({"router": {"tenantLimits": {"overrides": [{"tenant": "a", "tokensPerMinute": 5},
+                                                {"tenant": "a", "tokensPerMinute": 6}]}}},
+     "spec.router.tenantLimits.overrides[1].tenant"),
+    ({"router": {"tenantLimits": {"overrides": [{"tenant": "a", "requestsPerMinute": -1}]}}},
+     "spec.router.tenantLimits.overrides[0].requestsPerMinute"),
 ])
 def test_invalid_specs_name_the_field(patch, field):
     spec: dict[str, Any] = {"model": {"source": "builtin://smollm2"}}
