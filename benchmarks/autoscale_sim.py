@@ -2,6 +2,7 @@
 
     python benchmarks/autoscale_sim.py [--plot docs/autoscale_sim.png] [--json out.json] [--seed 1]
     python benchmarks/autoscale_sim.py --quick [--plot PATH] [--json PATH]     # short trace, seconds
+    python benchmarks/autoscale_sim.py --signal queue      # without the router's arrival rate (the old rule)
 
 A queueing model, stepped once per simulated second:
 
@@ -12,8 +13,11 @@ A queueing model, stepped once per simulated second:
 * Each engine admits queued requests while a slot is free and the prompt's KV blocks fit, decodes
   every running sequence at a speed that falls with the batch size, grows each sequence's blocks as
   it generates, and preempts the newest sequence (recompute) when a block cannot be allocated.
+* The router's arrival-rate gauge is the router's own estimator (server/router/arrival_rate.py) fed with
+  every arrival at its time.
 * Every `interval` seconds the operator's scrape is modelled: an `Observation` of the ready engines
-  (mean KV usage, engine waiting + router queue, running, counter increments), and
+  (mean KV usage, engine waiting + router queue, running, counter increments, the router's arrival
+  rate unless `--signal queue`), and
   `pagedmodel.operator.autoscaler.decide` picks the replica count, with its state fed back through JSON
   as the operator persists it. New replicas serve after `startup` seconds; removed ones drain.
 
@@ -35,6 +39,7 @@ from typing import Any
 
 from pagedmodel.operator.autoscaler import AutoscalerState, AutoscalingPolicy, decide, trim
 from pagedmodel.operator.observation import Observation
+from pagedmodel.server.router.arrival_rate import ArrivalRate
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class SimConfig:
         "minReplicas": 1, "maxReplicas": 12, "targetKVCacheUsage": 0.8, "targetWaitingPerReplica": 5,
         "intervalSeconds": 15, "scaleUpStabilizationSeconds": 0, "scaleDownStabilizationSeconds": 300})
     seed: int = 1
+    arrival_signal: bool = True      # the router's arrival rate reaches the Observation (False: queue only)
 
     @property
     def phases(self) -> list[tuple[str, float, float]]:
@@ -222,16 +228,18 @@ def _dispatch(router: deque[_Request], engines: list[_Engine], cfg: SimConfig, t
 
 
 def _observe(engines: list[_Engine], router: deque[_Request], cfg: SimConfig, t: float,
-             inc: _Counters) -> Observation:
+             inc: _Counters, arrival_rate: float) -> Observation:
     ready = [e for e in engines if e.ready_at <= t and not e.draining]
+    routers = 1 if cfg.arrival_signal else 0
+    rate = round(arrival_rate, 6) if cfg.arrival_signal else 0.0
     if not ready:
-        return Observation(t, 0, 0.0, 0, 0)
+        return Observation(t, 0, 0.0, len(router), 0, arrival_rate=rate, routers=routers)
     # The router queues in front of the engines: its queue counts as waiting (docs/autoscaling.md).
     kv = min(1.0, sum(e.used_blocks for e in ready) / len(ready) / cfg.kv_blocks)
     return Observation(t, len(ready), kv, sum(len(e.waiting) for e in ready) + len(router),
                        sum(len(e.running) for e in ready), cfg.max_num_seqs, cfg.block_size,
                        float(inc.preemptions), 0.0, float(inc.finished), float(inc.prompt_tokens),
-                       float(inc.generation_tokens))
+                       float(inc.generation_tokens), rate, routers)
 
 
 def _resize(engines: list[_Engine], desired: int, current: int, cfg: SimConfig, t: float) -> None:
@@ -257,6 +265,9 @@ def _summary(cfg: SimConfig, policy: AutoscalingPolicy, events: list[dict[str, A
     capacity_at = next((r["t"] for r in timeline if r["t"] >= spike_start
                         and r["ready"] >= min(need_spike, policy.max_replicas)), None)
     waits = sorted(waits)
+    # The spike's peak: replicas asked for from its start until the scale-down window after it has passed.
+    peak = max(r["replicas"] for r in timeline
+               if spike_start <= r["t"] <= spike_end + policy.scale_down_stabilization_s)
     return {
         "engine_capacity_req_s": round(capacity, 3),
         "replica_seconds": provisioned_s, "oracle_replica_seconds": oracle_s,
@@ -265,6 +276,8 @@ def _summary(cfg: SimConfig, policy: AutoscalingPolicy, events: list[dict[str, A
         "spike_decision_s": None if first_up is None else first_up - spike_start,
         "spike_capacity_s": None if capacity_at is None else capacity_at - spike_start,
         "spike_replicas_needed": need_spike,
+        "spike_peak_replicas": peak,
+        "spike_peak_vs_needed": round(peak / need_spike, 3),
         "scale_events": len(events),
         # Once the ramp's leftovers have aged out of the down window, a steady plateau moves nothing.
         "plateau_settled_from": plateau_settled,
@@ -295,10 +308,15 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     capacity = cfg.engine_capacity()
     next_scrape = interval
     t = 0.0
+    clock = [0.0]
+    arrivals = ArrivalRate(clock=lambda: clock[0])
     while t < cfg.duration:
-        # Arrivals of this second, queued at the router.
-        for _ in range(_arrivals(rng, cfg.rate(t) * dt)):
+        # Arrivals of this second, queued at the router (and counted by its arrival-rate gauge).
+        n = _arrivals(rng, cfg.rate(t) * dt)
+        for i in range(n):
             router.append(_Request(t, _lengths(rng, cfg.prompt_mean), _lengths(rng, cfg.gen_mean)))
+            clock[0] = t + (i + 0.5) * dt / n
+            arrivals.add()
         _dispatch(router, engines, cfg, t)
         for e in engines:
             if e.ready_at <= t:
@@ -321,7 +339,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
                         counters.prompt_tokens - last.prompt_tokens,
                         counters.generation_tokens - last.generation_tokens)
         last = _Counters(**asdict(counters))
-        obs = _observe(engines, router, cfg, t, inc)
+        clock[0] = t
+        obs = _observe(engines, router, cfg, t, inc, arrivals.rate())
         window = trim([*window, obs], policy, t)
         d = decide(policy, window, current, state, t)
         state = AutoscalerState.from_json(json.loads(json.dumps(d.state.to_json())))
@@ -394,7 +413,8 @@ def report(result: dict[str, Any]) -> str:
         f"replica-seconds {s['replica_seconds']:.0f} vs oracle {s['oracle_replica_seconds']:.0f}: "
         f"over-provisioning {s['over_provisioning']:+.1%}",
         f"spike at {s['spike_start']:.0f} s needs {s['spike_replicas_needed']} replicas: first scale-up decision after "
-        f"{s['spike_decision_s']} s, enough ready engines after {s['spike_capacity_s']} s",
+        f"{s['spike_decision_s']} s, enough ready engines after {s['spike_capacity_s']} s; peak "
+        f"{s['spike_peak_replicas']} replicas ({s['spike_peak_vs_needed']:.2f}x the need)",
         f"scale events {s['scale_events']} (on the plateau once settled, from {s['plateau_settled_from']:.0f} s: "
         f"{s['plateau_scale_events']}); "
         f"max replicas {s['max_replicas']}, final {s['final_replicas']}",
@@ -413,8 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="PNG path (default docs/autoscale_sim.png; none with --quick)")
     ap.add_argument("--json", default=None, help="write the full result here")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--signal", choices=("arrival", "queue"), default="arrival",
+                    help="scale up on the router's arrival rate (default) or on its queue only")
     args = ap.parse_args(argv)
-    cfg = SimConfig(seed=args.seed, **(QUICK if args.quick else {}))
+    cfg = SimConfig(seed=args.seed, arrival_signal=args.signal == "arrival", **(QUICK if args.quick else {}))
     result = simulate(cfg)
     print(report(result))
     path = args.plot if args.plot is not None else (None if args.quick else "docs/autoscale_sim.png")

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from . import capacity as cap
 from .observation import Observation
 from .validation import check_int, check_number, failer, finite, is_num
 
@@ -34,6 +35,7 @@ class AutoscalingPolicy:
                                         # (the CRD's default startup budget, spec.probes.startupTimeoutSeconds)
     max_scale_up_factor: float = 2.0    # one step at most doubles ...
     max_scale_up_pods: int = 4          # ... or adds this many pods, whichever is more (HPA's default)
+    capacity_fallback_rps: float | None = None  # req/s one engine serves at the KV target, until measured
 
     def __post_init__(self) -> None:
         bad = failer("autoscaling policy")
@@ -46,9 +48,10 @@ class AutoscalingPolicy:
         for name, positive in (("target_kv_cache_usage", True), ("target_waiting_per_replica", False),
                                ("interval_s", True), ("scale_up_stabilization_s", False),
                                ("scale_down_stabilization_s", False), ("tolerance", False),
-                               ("stable_window_s", True), ("panic_hold_s", False), ("pending_grace_s", False)):
+                               ("stable_window_s", True), ("panic_hold_s", False), ("pending_grace_s", False),
+                               ("capacity_fallback_rps", True)):
             v = getattr(self, name)
-            if v is None and name in ("stable_window_s", "panic_hold_s"):
+            if v is None and name in ("stable_window_s", "panic_hold_s", "capacity_fallback_rps"):
                 continue
             check_number(bad, name, v, positive=positive)
         if self.target_kv_cache_usage > 1:
@@ -80,6 +83,8 @@ class AutoscalingPolicy:
         extra: dict[str, Any] = {} if startup_timeout_s is None else {"pending_grace_s": startup_timeout_s}
         if autoscaling.get("stableWindowSeconds") is not None:     # optional; default max(60 s, 3 intervals)
             extra["stable_window_s"] = autoscaling["stableWindowSeconds"]
+        if autoscaling.get("requestsPerSecondPerReplica") is not None:   # optional: measured when absent
+            extra["capacity_fallback_rps"] = autoscaling["requestsPerSecondPerReplica"]
         return cls(**{attr: autoscaling[k] for k, attr in keys.items()}, **extra)
 
     @property
@@ -89,6 +94,12 @@ class AutoscalingPolicy:
     @property
     def panic_hold(self) -> float:
         return self.panic_hold_s if self.panic_hold_s is not None else self.stable_window
+
+    @property
+    def drain_horizon_s(self) -> float:
+        """With the arrival signal, the backlog asks for what drains it within this long: capacity added for it
+        stays up for the scale-down window anyway, so draining faster would only buy more replicas."""
+        return max(self.stable_window, self.scale_down_stabilization_s)
 
     @property
     def history_gap_s(self) -> float:
@@ -121,12 +132,14 @@ class AutoscalerState:
     last_scale_time: float | None = None
     history_since: float | None = None
     last_scale_up_time: float | None = None   # pods asked for then may still be starting
+    capacity_rps: float | None = None         # measured per-replica capacity (capacity.py), smoothed
 
     def to_json(self) -> dict[str, Any]:
         # Times unrounded: the state must round-trip exactly, or a restart could shift a window edge.
         out: dict[str, Any] = {"recommendations": [[t, n] for t, n in self.recommendations]}
         for key, value in (("panicUntil", self.panic_until), ("lastScaleTime", self.last_scale_time),
-                           ("historySince", self.history_since), ("lastScaleUpTime", self.last_scale_up_time)):
+                           ("historySince", self.history_since), ("lastScaleUpTime", self.last_scale_up_time),
+                           ("capacityRps", self.capacity_rps)):
             if value is not None:
                 out[key] = value
         return out
@@ -146,8 +159,9 @@ class AutoscalerState:
         def num(key: str) -> float | None:
             v = raw.get(key)
             return float(v) if finite(v) else None
+        capacity = num("capacityRps")
         return cls(tuple(sorted(recs.items())), num("panicUntil"), num("lastScaleTime"), num("historySince"),
-                   num("lastScaleUpTime"))
+                   num("lastScaleUpTime"), capacity if capacity is not None and capacity > 0 else None)
 
 
 @dataclass(frozen=True)
@@ -198,30 +212,51 @@ class _Load:
     waiting_per_engine: float
     scrapes: int
     idle: bool               # no request ran, waited or finished in the whole window
-    kv_leads: bool = True    # the KV signal's demand is at least the queue's
+    kv_leads: bool = True    # the KV signal's demand is at least the queue's (or the arrival signal's)
+    arrival_rate: float | None = None   # mean req/s over the window when the arrival signal is on
+    capacity: float | None = None       # the per-replica capacity it is divided by
+    drain: float = 0.0                  # engines' worth the backlog adds (drained over drain_horizon_s)
 
 
-def _load(obs: Sequence[Observation], policy: AutoscalingPolicy, *, count_waiting: bool = True) -> _Load:
+def _load(obs: Sequence[Observation], policy: AutoscalingPolicy, *, count_waiting: bool = True,
+          capacity: float | None = None) -> _Load:
     n = len(obs)
     # Demand is summed over engines (usage x engines), so it is independent of how many engines
     # share the load: a pass that sees a new engine come up does not change it (no double scaling).
     kv_demand = sum(o.kv_cache_usage * o.engines for o in obs) / n / policy.target_kv_cache_usage
-    wait_demand = (sum(o.waiting for o in obs) / n / policy.target_waiting_per_replica
-                   if policy.target_waiting_per_replica > 0 and count_waiting else 0.0)
-    demand = max(kv_demand, wait_demand)
+    waiting = sum(o.waiting for o in obs) / n if count_waiting else 0.0
+    arrival = capacity is not None and all(o.routers > 0 for o in obs)
+    if arrival:
+        # The flow decides how many engines the load needs; the stock (the backlog) only what drains it.
+        # The newest rate, not the window's mean: the router's gauge is smoothed already, and a second
+        # average would only delay a burst (the scale-down window keeps the count stable on the way down).
+        assert capacity is not None
+        rate = obs[-1].arrival_rate
+        drain = waiting / (capacity * policy.drain_horizon_s)
+        queue_demand = rate / capacity + drain
+    else:
+        rate, drain = None, 0.0
+        queue_demand = waiting / policy.target_waiting_per_replica if policy.target_waiting_per_replica > 0 else 0.0
+    demand = max(kv_demand, queue_demand)
     engines = obs[-1].engines
     return _Load(demand=demand, ratio=demand / engines, engines=engines,
                  kv=sum(o.kv_cache_usage for o in obs) / n,
                  waiting_per_engine=sum(o.waiting_per_engine for o in obs) / n, scrapes=n,
                  idle=all(o.running == 0 and o.waiting == 0 and o.finished == 0 for o in obs),
-                 kv_leads=kv_demand >= wait_demand)
+                 kv_leads=kv_demand >= queue_demand, arrival_rate=rate, capacity=capacity if arrival else None,
+                 drain=drain)
 
 
 def _describe(load: _Load, policy: AutoscalingPolicy) -> str:
     kv = f"kv cache usage {load.kv:.2f} {_cmp(load.kv, policy.target_kv_cache_usage)} " \
          f"target {policy.target_kv_cache_usage:.2f}"
     tw = policy.target_waiting_per_replica
-    if tw > 0:
+    if load.arrival_rate is not None and load.capacity is not None:
+        flow = (f"arrivals {load.arrival_rate:.2f} req/s / {load.capacity:.2f} per replica = "
+                f"{load.arrival_rate / load.capacity:.2f} engines + {load.drain:.2f} to drain "
+                f"{load.waiting_per_engine * load.engines:.0f} waiting")
+        signals = f"{kv}, {flow}" if load.kv_leads else f"{flow}, {kv}"
+    elif tw > 0:
         wait = f"{load.waiting_per_engine:.1f} waiting per engine {_cmp(load.waiting_per_engine, tw)} target {tw:g}"
         kv_leads = load.kv / policy.target_kv_cache_usage >= load.waiting_per_engine / tw
         signals = f"{kv}, {wait}" if kv_leads else f"{wait}, {kv}"
@@ -250,7 +285,7 @@ def _ceil(x: float) -> int:
 
 
 # Why a pass decided what it did, as a label value from a fixed set (the operator's metrics count these).
-CAUSES = ("kv_cache", "waiting", "idle", "bounds", "stabilizing", "no_metrics", "steady")
+CAUSES = ("kv_cache", "waiting", "idle", "bounds", "stabilizing", "no_metrics", "steady", "arrival_rate")
 
 
 @dataclass(frozen=True)
@@ -309,7 +344,7 @@ def _carry(policy: AutoscalingPolicy, state: AutoscalerState, now: float) -> _Ca
 def _no_decision(why: str, cause: str, policy: AutoscalingPolicy, current: int, carried: _Carried,
                  state: AutoscalerState, now: float) -> ScaleDecision:
     kept = AutoscalerState(tuple(sorted(carried.recs)), carried.panic_until, carried.last_scale,
-                           state.history_since, state.last_scale_up_time)
+                           state.history_since, state.last_scale_up_time, state.capacity_rps)
     bounded = _clamp(current, policy)
     if bounded != current:
         # The spec's bounds need no metrics: a raised minReplicas must bring the model up.
@@ -339,7 +374,7 @@ def _gate(policy: AutoscalingPolicy, window: Sequence[Observation], current: int
             reason = (f"{newest.waiting} request{'s' if newest.waiting != 1 else ''} queued at the router with no "
                       f"engine: 0 -> {target}")
             return ScaleDecision(target, reason, None, panic=False, frozen=False, cause="waiting", state=AutoscalerState(
-                tuple(sorted(carried.recs)), carried.panic_until, now, state.history_since, now))
+                tuple(sorted(carried.recs)), carried.panic_until, now, state.history_since, now, state.capacity_rps))
         return no("scaled to zero: no engine and no request queued at the router", "idle")
     in_window = sorted((o for o in window if now - policy.stable_window < o.time <= now), key=lambda o: o.time)
     usable = [o for o in in_window if o.engines > 0]
@@ -371,10 +406,12 @@ def _signals(usable: list[Observation], policy: AutoscalingPolicy) -> _Signals:
     return _Signals(usable, True, None)
 
 
-def _panic(signals: _Signals, policy: AutoscalingPolicy, panic_until: float | None, now: float) -> _Panic:
+def _panic(signals: _Signals, policy: AutoscalingPolicy, panic_until: float | None, now: float,
+           capacity: float | None) -> _Panic:
     # The panic window: the newest two scrapes. One would be quicker by an interval for moderate bursts,
     # but a single scrape of a queue is noisy; a burst of 4x target or more still panics on its first.
-    newest = _load(signals.usable[-policy.panic_scrapes:], policy, count_waiting=signals.count_waiting)
+    newest = _load(signals.usable[-policy.panic_scrapes:], policy, count_waiting=signals.count_waiting,
+                   capacity=capacity)
     if newest.ratio < policy.panic_threshold:
         return _Panic(newest, panic_until, None)
     scrapes = f"{newest.scrapes} scrape{'s' if newest.scrapes > 1 else ''}"
@@ -400,6 +437,12 @@ def _recommend(load: _Load, panic: _Panic, policy: AutoscalingPolicy, current: i
     # pile up meanwhile, and scaling on them again would cascade (llm-d blocks it the same way).
     pending = (load.engines < current and state.last_scale_up_time is not None
                and now - state.last_scale_up_time < policy.pending_grace_s)
+    if pending and rec > current and load.arrival_rate is not None and load.capacity is not None:
+        # The arrival rate is a flow, not a backlog that starting pods will drain: more than the pods
+        # asked for can serve is needed whether they have started or not. Only the drain term waits.
+        flow = _ceil(load.arrival_rate / load.capacity)
+        if flow > current:
+            return _Recommendation(rec, flow, None)
     if pending and rec > current:
         return _Recommendation(rec, current, f"{load.engines} of {current} engines answering: no further scale-up "
                                              f"(to {rec}) until the pods asked for "
@@ -456,7 +499,9 @@ def _cause(load: _Load, current: int, recommendation: _Recommendation, desired: 
     if bounded != current:      # a move: the signal that asked for it, unless the clamp alone moved
         if desired == current:
             return "bounds"
-        return "idle" if load.idle else "kv_cache" if load.kv_leads else "waiting"
+        if load.idle or load.kv_leads:
+            return "idle" if load.idle else "kv_cache"
+        return "arrival_rate" if load.arrival_rate is not None else "waiting"
     wish = recommendation.wish
     if (wish > current and current == policy.max_replicas) or (wish < current and current == policy.min_replicas):
         return "bounds"
@@ -496,8 +541,10 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
     if isinstance(usable, ScaleDecision):
         return usable
     signals = _signals(usable, policy)
-    load = _load(usable, policy, count_waiting=signals.count_waiting)
-    panic = _panic(signals, policy, carried.panic_until, now)
+    measured = cap.smoothed(state.capacity_rps, cap.measure(usable, policy.target_kv_cache_usage))
+    capacity = measured if measured is not None else policy.capacity_fallback_rps
+    load = _load(usable, policy, count_waiting=signals.count_waiting, capacity=capacity)
+    panic = _panic(signals, policy, carried.panic_until, now, capacity)
     panicking = panic.until is not None
     recommendation = _recommend(load, panic, policy, current, state, now)
     step = _stabilize(recommendation.rec, load, policy, current, carried, panic.until, state, now)
@@ -506,7 +553,7 @@ def decide(policy: AutoscalingPolicy, window: Sequence[Observation], current: in
     notes = [n for n in (signals.note, panic.note, recommendation.note, step.note) if n]
     new_state = AutoscalerState(_compact(step.recs, now, policy), panic.until,
                                 now if bounded != current else carried.last_scale, step.since,
-                                now if bounded > current else state.last_scale_up_time)
+                                now if bounded > current else state.last_scale_up_time, measured)
     return ScaleDecision(bounded, _render(load, policy, notes, recommendation.wish, current, bounded, limited,
                                           panicking), limited, panic=panicking, frozen=False,
                          cause=_cause(load, current, recommendation, step.desired, bounded, policy),

@@ -13,8 +13,8 @@ from typing import Any
 # Order of the compact JSON list; appending a field at the end keeps old persisted windows readable
 # (missing trailing entries take the field's default).
 _FIELDS = ("time", "engines", "kv_cache_usage", "waiting", "running", "max_num_seqs", "block_size",
-           "preemptions", "swap_outs", "finished", "prompt_tokens", "generation_tokens")
-_INT_FIELDS = frozenset({"engines", "waiting", "running", "max_num_seqs", "block_size"})
+           "preemptions", "swap_outs", "finished", "prompt_tokens", "generation_tokens", "arrival_rate", "routers")
+_INT_FIELDS = frozenset({"engines", "waiting", "running", "max_num_seqs", "block_size", "routers"})
 _REQUIRED = 5  # time, engines, kv_cache_usage, waiting, running
 
 
@@ -38,6 +38,8 @@ class Observation:
     finished: float = 0.0     # vllm:request_prompt_tokens_count (finished requests)
     prompt_tokens: float = 0.0      # vllm:request_prompt_tokens_sum
     generation_tokens: float = 0.0  # vllm:request_generation_tokens_sum
+    arrival_rate: float = 0.0       # requests/s admitted, summed over the routers (their arrival gauge)
+    routers: int = 0                # routers whose arrival rate was read; 0: no arrival signal this pass
 
     def __post_init__(self) -> None:
         for f in fields(self):

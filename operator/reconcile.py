@@ -14,7 +14,7 @@ from typing import Any
 
 from . import names
 from .kube_client import Kube
-from .scrape import EngineSample, Fetch, aggregate, observe, parse_router_queue, ready_pods, scrape
+from .scrape import EngineSample, Fetch, aggregate, observe, parse_router_metrics, ready_pods, router_totals, scrape
 from .desired_state import Observed, desired_state, effective_engine, engine_replicas, service_url
 from .pass_report import PassReport, pass_report
 from .scaling import ScalingOutcome, ScrapeResult, epoch, plan, scrape_due
@@ -109,14 +109,14 @@ def _scrape_pass(kube: Kube, pm: dict[str, Any], pods: list[dict[str, Any]], obs
     model, namespace, key = meta["name"], meta["namespace"], meta.get("uid", meta["name"])
     ready = ready_pods(pods)
     scrapes = scrape(ready, names.ENGINE_PORT, fetch)
-    queue, failed_routers = None, []
+    queue, arrival_rate, routers_read, failed_routers = None, 0.0, 0, []
     if observed.router_enabled:
         routers = ready_pods(kube.pods(namespace, names.selector_string(model, names.ROUTER)))
-        router_scrapes = scrape(routers, names.ENGINE_PORT, fetch, parse=parse_router_queue)
-        answers = [r.sample for r in router_scrapes if r.sample is not None]
-        queue = sum(answers) if answers else None
+        router_scrapes = scrape(routers, names.ENGINE_PORT, fetch, parse=parse_router_metrics)
+        queue, arrival_rate, routers_read = router_totals(router_scrapes)
         failed_routers = [r.pod for r in router_scrapes if r.sample is None]
-    observation, memory.baselines[key] = observe(scrapes, memory.baselines.get(key, {}), clock, router_queue=queue)
+    observation, memory.baselines[key] = observe(scrapes, memory.baselines.get(key, {}), clock, router_queue=queue,
+                                                 arrival_rate=arrival_rate, routers=routers_read)
     return ScrapeResult(len(ready), scrapes, observation, failed_routers=failed_routers)
 
 

@@ -71,14 +71,36 @@ def parse_engine_metrics(text: str) -> EngineSample:
 
 
 ROUTER_QUEUE = mc.ROUTER_QUEUE_LENGTH.name
+ROUTER_ARRIVALS = mc.ROUTER_ARRIVAL_REQUESTS.name
 
 
-def parse_router_queue(text: str) -> int:
-    """Requests a router holds in its queue (waiting for an engine slot or for any engine at all)."""
-    values = mc.sums(text, [ROUTER_QUEUE])
+@dataclass(frozen=True)
+class RouterSample:
+    queue: int                     # requests held in its queue (waiting for an engine slot or any engine)
+    arrival_rate: float | None     # requests/s it admits; None from a router that does not export it
+
+
+def parse_router_metrics(text: str) -> RouterSample:
+    """One router's /metrics: its queue length (required) and its arrival rate."""
+    values = mc.sums(text, [ROUTER_QUEUE, ROUTER_ARRIVALS])
     if ROUTER_QUEUE not in values:
         raise ValueError(f"metrics lack {ROUTER_QUEUE}")
-    return int(values[ROUTER_QUEUE])
+    arrivals = values.get(ROUTER_ARRIVALS)
+    return RouterSample(int(values[ROUTER_QUEUE]), max(0.0, arrivals) if arrivals is not None else None)
+
+
+def router_totals(scrapes: list[PodScrape]) -> tuple[int | None, float, int]:
+    """(queue, arrival rate, routers) over the routers of one pass. The queue is None when no router answered;
+    the arrival rate counts only when every router answered with one (a partial sum would read as a drop in
+    load), else routers is 0: no arrival signal this pass."""
+    answers = [s.sample for s in scrapes if s.sample is not None]
+    if not answers:
+        return None, 0.0, 0
+    queue = sum(a.queue for a in answers)
+    rates = [a.arrival_rate for a in answers if a.arrival_rate is not None]
+    if len(rates) != len(scrapes):
+        return queue, 0.0, 0
+    return queue, round(sum(rates), 6), len(rates)
 
 
 def aggregate(samples: list[EngineSample], previous: dict[str, Any] | None, now: str) -> dict[str, Any] | None:
@@ -94,7 +116,8 @@ def aggregate(samples: list[EngineSample], previous: dict[str, Any] | None, now:
 
 
 def observe(scrapes: list[PodScrape], baselines: dict[str, EngineSample], now: float,
-            router_queue: int | None = None) -> tuple[Observation | None, dict[str, EngineSample]]:
+            router_queue: int | None = None, arrival_rate: float = 0.0,
+            routers: int = 0) -> tuple[Observation | None, dict[str, EngineSample]]:
     """This pass as one Observation, and the counter baselines for the next pass.
 
     Counter increments are per pod against that pod's previous sample: a pod seen for the first time, or
@@ -102,13 +125,15 @@ def observe(scrapes: list[PodScrape], baselines: dict[str, EngineSample], now: f
     whole history. `router_queue` (requests held by the routers, None when no router answered) counts
     as waiting: the router caps each engine at its max_num_seqs and queues the rest itself, so under
     overload the engines' own queues stay short. With no engine answering, the router's queue alone
-    is an observation of zero engines (what scaling up from zero reads).
+    is an observation of zero engines (what scaling up from zero reads). `arrival_rate` and `routers`
+    (router_totals) pass through for the autoscaler's arrival signal.
     """
     samples = [(s.pod, s.sample) for s in scrapes if s.sample is not None]
     if not samples:
         if router_queue is None:
             return None, {}
-        return Observation(time=now, engines=0, kv_cache_usage=0.0, waiting=router_queue, running=0), {}
+        return Observation(time=now, engines=0, kv_cache_usage=0.0, waiting=router_queue, running=0,
+                           arrival_rate=arrival_rate, routers=routers), {}
     increments = dict.fromkeys(COUNTERS, 0.0)
     for pod, sample in samples:
         before = baselines.get(pod)
@@ -129,7 +154,7 @@ def observe(scrapes: list[PodScrape], baselines: dict[str, EngineSample], now: f
         max_num_seqs=min(configured) if configured else 0, block_size=min(blocks) if blocks else 0,
         preemptions=increments["preemptions_total"], swap_outs=increments["swap_outs_total"],
         finished=increments["finished_total"], prompt_tokens=increments["prompt_tokens_total"],
-        generation_tokens=increments["generation_tokens_total"])
+        generation_tokens=increments["generation_tokens_total"], arrival_rate=arrival_rate, routers=routers)
     return obs, {pod: sample for pod, sample in samples}
 
 

@@ -162,6 +162,7 @@ FIELD_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("autoscaling", "targetWaitingPerReplica"): _NON_NEGATIVE,
     ("autoscaling", "intervalSeconds"): _int_in(1, 3600),
     ("autoscaling", "stableWindowSeconds"): _int_in(1, 3600),
+    ("autoscaling", "requestsPerSecondPerReplica"): _POSITIVE,
     ("autoscaling", "scaleUpStabilizationSeconds"): _int_in(0, 86400),
     ("autoscaling", "scaleDownStabilizationSeconds"): _int_in(0, 86400),
     ("tuning", "mode"): (_one_of(*TUNING_MODES)[0],

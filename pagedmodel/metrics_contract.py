@@ -133,11 +133,11 @@ ROUTER_TENANT_REQUESTS = _router("pagedmodel_router_tenant_requests", "counter",
 ROUTER_TENANT_TOKENS = _router("pagedmodel_router_tenant_tokens", "counter",
                                "Tokens per tenant: reserved at admission (admitted, rejected), then used.",
                                ("tenant", "outcome"))
-# arrival rates for the autoscaler (operator/scrape.py reads them), exponentially weighted over 30 s
+# arrival rates for the autoscaler (operator/scrape.py reads them), exponentially weighted over 10 s
 ROUTER_ARRIVAL_REQUESTS = _router("pagedmodel_router_arrival_requests_per_second", "gauge",
-                                  "Requests admitted per second (exponentially weighted, 30 s).")
+                                  "Requests admitted per second (exponentially weighted, 10 s).")
 ROUTER_ARRIVAL_TOKENS = _router("pagedmodel_router_arrival_tokens_per_second", "gauge",
-                                "Tokens reserved by admitted requests per second (exponentially weighted, 30 s).")
+                                "Tokens reserved by admitted requests per second (exponentially weighted, 10 s).")
 
 
 def _operator(name: str, kind: Kind, help: str, labels: tuple[str, ...] = ("namespace", "pagedmodel"),
@@ -172,7 +172,7 @@ SCALING_LIMITED = _operator("pagedmodel_operator_scaling_limited", "gauge",
 # Fixed label values: a metric's cardinality must not depend on free text.
 ERROR_KINDS = ("invalid_spec", "kubernetes_api", "internal")
 SCALE_DIRECTIONS = ("up", "down", "hold")
-SCALE_REASONS = ("kv_cache", "waiting", "idle", "bounds", "stabilizing", "no_metrics", "steady")
+SCALE_REASONS = ("kv_cache", "waiting", "idle", "bounds", "stabilizing", "no_metrics", "steady", "arrival_rate")
 TUNER_ACTIONS = ("proposed", "applied", "reverted")
 
 ALL: tuple[MetricDef, ...] = tuple(v for v in globals().values() if isinstance(v, MetricDef))

@@ -13,7 +13,7 @@ from .admission import Clock
 
 
 class ArrivalRate:
-    def __init__(self, tau_s: float = 30.0, clock: Clock = time.monotonic) -> None:
+    def __init__(self, tau_s: float = 10.0, clock: Clock = time.monotonic) -> None:
         if not (tau_s > 0 and math.isfinite(tau_s)):
             raise ValueError(f"tau_s must be a positive number of seconds, got {tau_s!r}")
         self.tau = float(tau_s)

@@ -36,7 +36,7 @@ class Admission:
 
 class Tenancy:
     def __init__(self, limiter: TenantLimiter, queue: AdmissionQueue, metrics: RouterMetrics, *,
-                 default_max_tokens: int = 256, arrival_tau_s: float = 30.0, clock: Clock = time.monotonic) -> None:
+                 default_max_tokens: int = 256, arrival_tau_s: float = 10.0, clock: Clock = time.monotonic) -> None:
         if default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
         self.limiter = limiter

@@ -94,6 +94,7 @@ def test_valid_specs_have_no_errors():
     ({"router": {"perClientRateLimit": {"requestsPerSecond": 1, "header": "X Tenant"}}},
      "spec.router.perClientRateLimit.header"),
     ({"autoscaling": {"stableWindowSeconds": 0}}, "spec.autoscaling.stableWindowSeconds"),
+    ({"autoscaling": {"requestsPerSecondPerReplica": 0}}, "spec.autoscaling.requestsPerSecondPerReplica"),
     ({"router": {"tenantLimits": {}}}, "spec.router.tenantLimits"),
     ({"router": {"tenantLimits": {"tokensPerMinute": 0}}}, "spec.router.tenantLimits.tokensPerMinute"),
     ({"router": {"tenantLimits": {"requestsPerMinute": 5, "header": "X Tenant"}}}, "spec.router.tenantLimits.header"),

@@ -18,7 +18,8 @@ json_values = st.recursive(json_scalars, lambda inner: st.one_of(st.lists(inner,
                                                                                   max_size=3)), max_leaves=6)
 # A value for each known field (good or bad), so the fuzzing reaches the rules instead of missing keys.
 section_keys = {k: sorted(v) + ["extraArgs", "maxModelLen", "kvCacheMemoryBytes", "maxNumSeqs", "cpu", "memory",
-                                "rateLimit", "perClientRateLimit", "tenantLimits", "blockSizes", "stableWindowSeconds"] for k, v in DEFAULTS.items() if isinstance(v, dict)}
+                                "rateLimit", "perClientRateLimit", "tenantLimits", "blockSizes", "stableWindowSeconds",
+                                "requestsPerSecondPerReplica"] for k, v in DEFAULTS.items() if isinstance(v, dict)}
 sections = st.fixed_dictionaries({}, optional={k: st.one_of(json_values, st.dictionaries(
     st.sampled_from(keys), json_values, max_size=4)) for k, keys in section_keys.items()})
 specs = st.builds(lambda s, model, replicas: {**s, "model": model, "replicas": replicas}, sections,
@@ -43,7 +44,8 @@ PATHS = [("model", "servedName"), ("image",), ("imagePullPolicy",), ("imagePullS
          ("scheduling",), ("scheduling", "nodeSelector"), ("scheduling", "tolerations"),
          ("scheduling", "priorityClassName"), ("service",), ("service", "type"), ("probes",),
          ("probes", "startupTimeoutSeconds"), ("router",), ("router", "rateLimit"), ("router", "perClientRateLimit"),
-         ("router", "tenantLimits"), ("router", "tenantLimits", "overrides"), ("router", "strategy"), ("autoscaling", "stableWindowSeconds"),
+         ("router", "tenantLimits"), ("router", "tenantLimits", "overrides"), ("router", "strategy"),
+         ("autoscaling", "stableWindowSeconds"), ("autoscaling", "requestsPerSecondPerReplica"),
          ("router", "maxQueueLength"), ("router", "queueTimeoutSeconds"), ("autoscaling", "enabled"),
          ("resources", "cpu"), ("resources", "memory"), ("resources", "gpuResourceName"), ("engine", "extraArgs"),
          ("engine", "kvCacheMemoryBytes"), ("engine", "preemptionMode"), ("engine", "maxQueueLength"),

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from fakes import FakeClock, running_router
+from fakes import FakeClock, FakeUpstream, running_router
 from pagedmodel.server.router.app import RouterApp, RouterConfig, add_arguments, config_from_args
 from pagedmodel.server.router.arrival_rate import ArrivalRate
 from pagedmodel.server.router.metrics import TenantLabels
@@ -16,7 +16,6 @@ from pagedmodel.server.router.token_limits import (
     ANONYMOUS, Limits, TenantLimiter, completion_budget, estimate_prompt_tokens, go_duration, parse_tenant_limit,
     reservation)
 from pagedmodel.server.router.usage import UsageMeter
-from support import free_port
 
 
 # ---- pure logic
@@ -154,41 +153,20 @@ def test_cli_flags_become_config():
 
 # ---- through the router
 
-class UsageUpstream:
+class UsageUpstream(FakeUpstream):
     """An engine double answering with usage: prompt 5 tokens, completion = max_tokens. One at a time."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.served: list[tuple[str, int]] = []    # (tenant header, total tokens) in serve order
+        super().__init__("usage")
+        self.tokens: list[tuple[str, int]] = []    # (tenant header, total tokens) in serve order
         self.lock = asyncio.Lock()
-        self._runner: web.AppRunner | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        app = web.Application()
-
-        async def metrics(_r: web.Request) -> web.Response:
-            return web.Response(text='vllm:kv_cache_usage_perc{model_name="f"} 0\n'
-                                     'vllm:num_requests_waiting{model_name="f"} 0\n')
-        app.router.add_get("/metrics", metrics)
-        app.router.add_post("/v1/completions", self._complete)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.01)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         async with self.lock:
             await asyncio.sleep(0.002)
             total = 5 + body["max_tokens"]
-            self.served.append((request.headers.get("X-Tenant", ""), total))
+            self.tokens.append((request.headers.get("X-Tenant", ""), total))
         usage = {"prompt_tokens": 5, "completion_tokens": body["max_tokens"], "total_tokens": total}
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": "x"}], "usage": usage})
@@ -267,13 +245,13 @@ def test_two_tenants_saturating_one_upstream_share_tokens_evenly():
                                 assert r.status == 200
                                 await r.read()
                     tasks = [asyncio.create_task(client(t, n)) for t, n in [("small", 10), ("big", 40)] * 4]
-                    while sum(n for _, n in up.served) < 6000:
+                    while sum(n for _, n in up.tokens) < 6000:
                         await asyncio.sleep(0.05)
                     stop.set()
                     await asyncio.gather(*tasks)
         finally:
             await up.stop()
-        window = up.served[20:]                       # past the start, when both tenants queue
+        window = up.tokens[20:]                       # past the start, when both tenants queue
         small = sum(n for t, n in window if t == "small")
         big = sum(n for t, n in window if t == "big")
         print(f"tokens served: small {small}, big {big}")
