@@ -81,9 +81,17 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     return math.ceil(chars / CHARS_PER_TOKEN) + overhead
 
 
+def _prompts(body: Mapping[str, Any]) -> int:
+    """How many prompts a completions request batches (each gets its own choices)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def completion_budget(body: Mapping[str, Any], default_max_tokens: int) -> int:
     """The completion tokens a request may generate: max_completion_tokens, else max_tokens, else the
-    default; times `n` choices (and `best_of` when larger, as every candidate is generated)."""
+    default; times `n` choices (and `best_of` when larger, as every candidate is generated), per prompt."""
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     per_choice = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else default_max_tokens
     choices = 1
@@ -91,7 +99,7 @@ def completion_budget(body: Mapping[str, Any], default_max_tokens: int) -> int:
         v = body.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > choices:
             choices = v
-    return per_choice * choices
+    return per_choice * choices * _prompts(body)
 
 
 def reservation(body: Mapping[str, Any], default_max_tokens: int) -> int:

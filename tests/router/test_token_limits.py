@@ -34,6 +34,8 @@ def test_prompt_estimate_and_reservation():
     assert completion_budget({"max_tokens": 50, "n": 2}, 256) == 100
     assert completion_budget({"max_completion_tokens": 7, "max_tokens": 50}, 256) == 7
     assert completion_budget({}, 256) == 256
+    assert completion_budget({"prompt": ["a", "b", "c"], "max_tokens": 10}, 256) == 30     # a batch of prompts
+    assert estimate_prompt_tokens({"prompt": [[1, 2], [3]]}) == 3
     assert reservation({"prompt": "x" * 40, "max_tokens": 5}, 256) == 15
 
 
