@@ -34,6 +34,11 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        specs = [p.structured_outputs for p in params_list if p.structured_outputs is not None]
+        for spec in specs:        # compile them all in parallel; a bad one raises before anything is added
+            self.engine.grammars.compile(spec)
+        for spec in specs:
+            self.engine.grammars.result(spec)
         ids = []
         try:
             for prompt, p in zip(prompts, params_list):

@@ -11,20 +11,22 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from .args import EngineArgs
 from .beam_group import BeamGroup
 from .beam_search import BeamSearch
 from .detokenizer import init_offsets
+from .grammar_compiler import GrammarCompiler
 from .input_processor import InputProcessor, InvalidRequestError
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
 from .sampler import Sampler
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import SequenceGroup
+from .sampling_params import SamplingParams, SamplingParamsError
+from .scheduler import Scheduler, StepUpdate
+from .sequence import SequenceGroup, SequenceStatus
 from .stats import EngineStats
 from .stop_checker import StopChecker
 from .worker import Worker
@@ -56,6 +58,8 @@ class LLMEngine:
                                   enforce_eager=args.enforce_eager)
         self.sampler = Sampler(self.device, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._compiling: dict[str, tuple[SequenceGroup, Future]] = {}   # admitted once their grammar is built
         self.requests: dict[str, SequenceGroup] = {}
         self._seed_rng = random.Random(args.seed)
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
@@ -83,6 +87,14 @@ class LLMEngine:
             search = BeamSearch(params.best_of, params.length_penalty, params.early_stopping,
                                 () if params.ignore_eos else self.eos_token_ids, max_new_tokens=max_new)
             self.sampler.add_beam_search(BeamGroup(group, search))
+        so = params.structured_outputs
+        grammar = self.grammars.compile(so) if so is not None else None
+        if grammar is not None and not grammar.done():
+            self.requests[request_id] = group
+            self._compiling[request_id] = (group, grammar)
+            return
+        if grammar is not None:
+            self.sampler.add_grammar(group, self.grammars.wait(grammar, so))   # a bad spec raises, holding nothing
         self.requests[request_id] = group
         self.scheduler.add(group)
 
@@ -90,6 +102,7 @@ class LLMEngine:
         group = self.requests.pop(request_id, None)
         if group is None:
             return
+        self._compiling.pop(request_id, None)
         self.scheduler.abort(group)
         self.sampler.drop(group)
 
@@ -99,9 +112,12 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, apply, and report what changed."""
+        failed = self._admit_compiled() if self._compiling else []
         sched = self.scheduler.schedule(time.time())
         if sched.is_empty:
-            return []
+            if self._compiling and not failed:   # only grammars in the works: wait for one, do not spin
+                wait([f for _, f in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            return failed
         model_output = self.runner.execute(sched)
         samples = self.sampler.sample(model_output)
         update = self.scheduler.update_from_output(sched, samples)
@@ -110,7 +126,26 @@ class LLMEngine:
             if group.is_finished:
                 self.requests.pop(group.request_id, None)
                 self.sampler.drop(group)
-        return outputs
+        return failed + outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar is ready; one that failed to compile ends (finish "abort")."""
+        failed = StepUpdate()
+        for request_id, (group, grammar) in list(self._compiling.items()):
+            if not grammar.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                self.sampler.add_grammar(group, self.grammars.wait(grammar, group.params.structured_outputs))
+            except SamplingParamsError as exc:
+                log.warning("request %s: %s; aborted", request_id, exc)
+                for seq in group.seqs:
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                self.requests.pop(request_id, None)
+                failed.touched[request_id] = group
+                continue
+            self.scheduler.add(group)
+        return self.output_processor.process(failed, time.time()) if failed.touched else []
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

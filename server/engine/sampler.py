@@ -5,11 +5,17 @@ decisions keyed by request); it changes no sequence: the scheduler's ``update_fr
 Each sample draws from its own torch.Generator, so a seeded request produces the same tokens whatever
 else shares its batch. Logprobs are those of the raw model distribution (before temperature and
 truncation), as vLLM reports them.
+
+Structured outputs: a constrained sample has its own grammar matcher (xgrammar), kept here with the
+other per-sample state. Each step fills one token bitmask for the constrained rows only, applies it to
+those rows of the batch's logits at once (before penalties, temperature and the draw; after the
+logprobs, which stay the raw model's), and advances each matcher by the token drawn.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +26,8 @@ from .sequence import Sequence, SequenceGroup
 if TYPE_CHECKING:
     from .model_runner import ModelRunnerOutput
 
+log = logging.getLogger("pagedmodel.engine")
+
 
 @dataclass
 class SamplingRow:
@@ -28,6 +36,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()   # e.g. EOS before min_tokens is reached
+    matcher: Any = None                      # xgrammar.GrammarMatcher of a structured-output sample
 
 
 @dataclass
@@ -75,11 +84,29 @@ def _needs_processing(row: SamplingRow) -> bool:
     return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or row.banned_token_ids)
 
 
+def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Mask, in place, what each constrained row's grammar forbids next; returns those rows."""
+    constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
+    if not constrained:
+        return constrained
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    matchers = [rows[i].matcher for i in constrained]
+    if len(matchers) == 1:
+        matchers[0].fill_next_token_bitmask(bitmask, constrained[0])
+    else:
+        xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask(matchers, bitmask, constrained)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=constrained)
+    return constrained
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """``logits`` is ``[len(rows), vocab]`` float32. Plain greedy rows (no penalties, no banned
-    tokens) share one argmax, and every row's chosen logprob is one gather: per-row work is left
-    to the rows that need it (penalties, seeded draws, top logprobs)."""
+    """``logits`` is ``[len(rows), vocab]`` float32 and is modified (grammar masks). Plain greedy rows
+    (no penalties, no banned tokens) share one argmax, and every row's chosen logprob is one gather:
+    per-row work is left to the rows that need it (penalties, seeded draws, top logprobs)."""
     logprobs = torch.log_softmax(logits, dim=-1)
+    constrained = _apply_grammars(logits, rows)
     tokens: list[int] = [0] * len(rows)
     plain = [i for i, row in enumerate(rows)
              if (row.params.greedy or row.params.use_beam_search) and not _needs_processing(row)]
@@ -101,6 +128,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
             # exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i
             noise = torch.empty_like(probs).exponential_(generator=row.generator)
             tokens[i] = int(torch.argmax(probs / noise))
+    for i in constrained:
+        if not rows[i].matcher.accept_token(tokens[i]):   # only if every token was masked: nothing can follow
+            log.warning("grammar rejected token %d; the sample continues unconstrained", tokens[i])
+            rows[i].matcher = None
     index = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     chosen = logprobs.gather(1, index[:, None])[:, 0].tolist() if rows else []
     results = []
@@ -136,15 +167,23 @@ class Sampler:
         self.eos_token_ids = eos_token_ids   # shared with the stop checker
         self._generators: dict[tuple[str, int], torch.Generator] = {}   # (request, sample index)
         self._beams: dict[str, BeamGroup] = {}
+        self._grammars: dict[str, Any] = {}                    # request -> xgrammar.CompiledGrammar
+        self._matchers: dict[tuple[str, int], Any] = {}        # (request, sample index) -> GrammarMatcher
 
     def add_beam_search(self, beams: BeamGroup) -> None:
         self._beams[beams.group.request_id] = beams
 
+    def add_grammar(self, group: SequenceGroup, compiled: Any) -> None:
+        """Constrain every sample of ``group`` by ``compiled``; each sample gets its own matcher."""
+        self._grammars[group.request_id] = compiled
+
     def drop(self, group: SequenceGroup) -> None:
         """Forget a finished or aborted request's state."""
         self._beams.pop(group.request_id, None)
+        self._grammars.pop(group.request_id, None)
         for index in range(group.params.best_of):
             self._generators.pop((group.request_id, index), None)
+            self._matchers.pop((group.request_id, index), None)
 
     def sample(self, out: "ModelRunnerOutput") -> SamplerOutput:
         result = SamplerOutput()
@@ -187,7 +226,19 @@ class Sampler:
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(sorted((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)))
-        return SamplingRow(p, group.prompt_token_ids, seq.output_token_ids, gen, banned)
+        return SamplingRow(p, group.prompt_token_ids, seq.output_token_ids, gen, banned,
+                           self._matcher(group.request_id, index))
+
+    def _matcher(self, request_id: str, index: int) -> Any:
+        compiled = self._grammars.get(request_id)
+        if compiled is None:
+            return None
+        matcher = self._matchers.get((request_id, index))
+        if matcher is None:
+            import xgrammar as xgr
+
+            matcher = self._matchers[(request_id, index)] = xgr.GrammarMatcher(compiled)
+        return matcher
 
 
 def _prompt_entries(token_ids: list[int], start: int, logprobs: torch.Tensor, k: int | None) -> PromptLogprobs:

@@ -131,3 +131,5 @@ class SamplingParams:
             raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
         if self.use_beam_search:
             raise SamplingParamsError("beam search cannot be combined with structured outputs", so.param)
+        if self.min_tokens:   # the grammar alone decides where the output may end
+            raise SamplingParamsError("min_tokens cannot be combined with structured outputs", "min_tokens")

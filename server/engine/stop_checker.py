@@ -23,7 +23,9 @@ class StopChecker:
         """Extend ``seq``'s text by its newest token and mark it finished if a stop condition holds."""
         detokenize_incrementally(self.tokenizer, seq, group.params.skip_special_tokens)
         p = group.params
-        if not p.ignore_eos and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
+        # a grammar that let EOS through has ended: that stops even an ignore_eos request
+        ends = not p.ignore_eos or p.structured_outputs is not None
+        if ends and token in self.eos_token_ids and seq.num_output_tokens > p.min_tokens - 1:
             seq.status = SequenceStatus.FINISHED_STOPPED
             return
         if token in p.stop_token_ids:

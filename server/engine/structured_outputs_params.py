@@ -45,10 +45,10 @@ class StructuredOutputsParams:
         raise AssertionError("validate() guarantees one form")
 
     def cache_key(self) -> tuple[str, str]:
-        """(kind, spec) with the spec as canonical text: equal schemas share one compiled grammar."""
+        """(kind, spec) with the spec as text: equal schemas share one compiled grammar."""
         kind = self.kind
         if kind == "json":
-            spec = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)   # key order = property order
         elif kind == "json_object":
             spec = ""
         elif kind == "choice":
