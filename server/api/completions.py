@@ -15,6 +15,7 @@ from .logprobs import completion_logprobs, prepend_prompt_logprobs
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        CompletionStreamResponse, UsageInfo, random_id)
 from .serving import OpenAIServing
+from .structured_outputs import ensure_compiled
 from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk
 
 
@@ -28,6 +29,7 @@ async def prepare_completion(serving: OpenAIServing, req: CompletionRequest) -> 
     tokenized = [await serving.tokenize_prompt(p) for p in prompts]
     for ids, _ in tokenized:
         serving.check_prompt(ids, params)
+    await ensure_compiled(serving, params)
     return params, tokenized
 
 
