@@ -295,7 +295,7 @@ class RouterApp:
             return self._count(_error(429, f"rate limit exceeded ({decision.scope}); retry after "
                                            f"{decision.retry_after}s", code="rate_limit_exceeded",
                                       retry_after=decision.retry_after))
-        adm = self.tenancy.admit(request.headers, payload)
+        adm = self.tenancy.admit(request.headers, payload, generates=request.path.endswith("/completions"))
         if isinstance(adm, TokenDecision):
             return self._count(self._tenant_refusal(adm))
         try:

@@ -32,6 +32,7 @@ class Admission:
     meter: UsageMeter | None = None
     relayed: bool = False         # an upstream answer reached the client (False: the router refused it)
     status: int = 0
+    generates: bool = True        # a completion: charged by its usage (else one request and no tokens)
 
 
 class Tenancy:
@@ -46,10 +47,12 @@ class Tenancy:
         self.request_rate = ArrivalRate(arrival_tau_s, clock)
         self.token_rate = ArrivalRate(arrival_tau_s, clock)
 
-    def admit(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> Admission | TokenDecision:
-        """The request's Admission, or the refusal (a TokenDecision with allowed False) to answer 429 with."""
+    def admit(self, headers: Mapping[str, str], body: Mapping[str, Any], *,
+              generates: bool = True) -> Admission | TokenDecision:
+        """The request's Admission, or the refusal (a TokenDecision with allowed False) to answer 429 with.
+        `generates` False (a POST other than completions, such as tokenize): one request, no tokens."""
         tenant = self.limiter.tenant(headers)
-        reserved = reservation(body, self.default_max_tokens)
+        reserved = reservation(body, self.default_max_tokens) if generates else 0
         if self.limiter.enabled:
             decision = self.limiter.admit(tenant, reserved)
             if not decision.allowed:
@@ -59,9 +62,11 @@ class Tenancy:
         else:
             rate_headers = {}
         self.metrics.tenant_outcome(tenant, "admitted", reserved)
-        self.request_rate.add(1.0)
-        self.token_rate.add(reserved)
-        return Admission(tenant, reserved, estimate_prompt_tokens(body), rate_headers)
+        if generates:   # the autoscaler divides this by engines' completions per second: count only those
+            self.request_rate.add(1.0)
+            self.token_rate.add(reserved)
+        return Admission(tenant, reserved, estimate_prompt_tokens(body) if generates else 0, rate_headers,
+                         generates=generates)
 
     def dispatched(self, adm: Admission, *, queued: bool) -> None:
         """The request got an upstream slot; one that skipped the queue is charged here (the queue charges
@@ -74,6 +79,8 @@ class Tenancy:
         """Settle the reservation: refund a request the router refused, else charge what it used."""
         if not adm.relayed:
             self.limiter.cancel(adm.tenant, adm.reserved)
+            used = 0
+        elif not adm.generates:
             used = 0
         else:
             measured = adm.meter.used(adm.prompt_estimate) if adm.meter is not None else None

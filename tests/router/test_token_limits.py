@@ -9,9 +9,11 @@ import pytest
 from aiohttp import web
 
 from fakes import FakeClock, FakeUpstream, running_router
-from pagedmodel.server.router.app import RouterApp, RouterConfig, add_arguments, config_from_args
+from pagedmodel.server.router.app import add_arguments, config_from_args
 from pagedmodel.server.router.arrival_rate import ArrivalRate
-from pagedmodel.server.router.metrics import TenantLabels
+from pagedmodel.server.router.metrics import RouterMetrics, TenantLabels
+from pagedmodel.server.router.queue import AdmissionQueue
+from pagedmodel.server.router.tenancy import Admission, Tenancy
 from pagedmodel.server.router.token_limits import (
     ANONYMOUS, Limits, TenantLimiter, completion_budget, estimate_prompt_tokens, go_duration, parse_tenant_limit,
     reservation)
@@ -151,6 +153,26 @@ def test_cli_flags_become_config():
     assert cfg.tenant_overrides == {"vip": Limits(None, 90000)}
     with pytest.raises(SystemExit):
         parser.parse_args(["--upstream", "http://x:1", "--tenant-limit", "vip:tokens=zero"])
+
+
+def test_requests_that_generate_nothing_take_a_request_and_no_tokens():
+    clock = FakeClock()
+    metrics = RouterMetrics()
+    queue = AdmissionQueue(8, 30.0, clock=clock)
+    tenancy = Tenancy(TenantLimiter(Limits(requests_per_minute=10, tokens_per_minute=100), clock=clock), queue,
+                      metrics, clock=clock)
+    tok = tenancy.admit({}, {"prompt": "x" * 4000}, generates=False)     # e.g. /v1/tokenize: no 429 on tokens
+    assert isinstance(tok, Admission) and tok.reserved == 0
+    tok.relayed, tok.status = True, 200
+    tenancy.finish(tok)
+    assert tenancy.request_rate.rate() == 0                              # not an arrival the engines serve
+    gen = tenancy.admit({}, {"prompt": "hi", "max_tokens": 50})
+    assert isinstance(gen, Admission) and gen.reserved == 51 and tenancy.request_rate.rate() > 0
+    tenancy.dispatched(gen, queued=False)
+    gen.relayed, gen.status = True, 200                                  # no usage in the answer: reservation kept
+    tenancy.finish(gen)
+    assert queue.counters["anonymous"] == 51
+    assert tenancy.limiter.headers("anonymous")["x-ratelimit-remaining-requests"] == "8"
 
 
 # ---- through the router
