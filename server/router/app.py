@@ -3,9 +3,10 @@
 Per request: rate limit (429) -> the tenant's request and token limits (429 with OpenAI's
 x-ratelimit-* headers, tenancy.py) -> free upstream slot now, else the bounded priority queue, fair
 between tenants (503 when full or timed out) -> strategy picks the upstream -> the response is
-streamed back chunk by chunk, its usage settling the tenant's reservation. A connection failure before any response byte is retried on another upstream;
-an upstream failing repeatedly is ejected and re-probed (upstreams.py). Mid-stream failures
-end an SSE stream with an OpenAI-style error event, which the `openai` SDK raises as APIError.
+streamed back chunk by chunk, its usage settling the tenant's reservation. A connection failure
+before any response byte is retried on another upstream; an upstream failing repeatedly is ejected
+and re-probed (upstreams.py). Mid-stream failures end an SSE stream with an OpenAI-style error
+event, which the `openai` SDK raises as APIError.
 
 Upstreams come from `--upstream URL` (static) or `--discover SELECTOR` (Ready pods, watched via
 the Kubernetes API; see discovery.py).

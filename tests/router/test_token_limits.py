@@ -232,7 +232,8 @@ def test_over_the_token_limit_is_429_with_openai_headers_and_success_carries_the
                     assert int(headers["Retry-After"]) >= 1
                     for name in ("limit", "remaining", "reset"):
                         assert f"x-ratelimit-{name}-tokens" in headers and f"x-ratelimit-{name}-requests" in headers
-                    assert int(headers["x-ratelimit-remaining-tokens"]) in range(195, 200)
+                    # 195 plus what refilled meanwhile (10 tokens/s)
+                    assert int(headers["x-ratelimit-remaining-tokens"]) in range(195, 260)
                     status, _, _ = await post(300, tenant="other")          # another tenant is untouched
                     assert status == 200
                     # streamed with include_usage: the final usage chunk settles the reservation
