@@ -97,10 +97,10 @@ class AdmissionQueue:
         self._live += 1
         return ticket
 
-    def charge(self, tenant: str, tokens: float) -> None:
-        """Correct a tenant's counter when a request ends (its real usage against the estimate it paid),
-        or charge a request that went straight to a free upstream without queueing."""
-        self.counters.charge(tenant, tokens, dispatched=False)
+    def charge(self, tenant: str, tokens: float, *, dispatched: bool = False) -> None:
+        """Charge a request that went straight to a free upstream without queueing (`dispatched`), or correct
+        a tenant's counter when a request ends (its real usage against the estimate it paid)."""
+        self.counters.charge(tenant, tokens, dispatched=dispatched)
 
     def _leave(self, ticket: Ticket, state: str) -> None:
         ticket.state = state

@@ -72,7 +72,7 @@ class Tenancy:
         """The request got an upstream slot; one that skipped the queue is charged here (the queue charges
         the ones it grants), so counters reflect every token served."""
         if not queued:
-            self.queue.counters.charge(adm.tenant, adm.reserved)
+            self.queue.charge(adm.tenant, adm.reserved, dispatched=True)
         adm.charged += adm.reserved
 
     def finish(self, adm: Admission) -> None:
