@@ -14,6 +14,14 @@ from dataclasses import dataclass
 Clock = Callable[[], float]
 
 
+def bearer_token(lowered: Mapping[str, str]) -> str | None:
+    """The API key of `Authorization: Bearer KEY` (`lowered`: header names in lower case), or None."""
+    auth = lowered.get("authorization", "")
+    if auth[:7].lower() == "bearer " and auth[7:].strip():
+        return auth[7:].strip()
+    return None
+
+
 def retry_after_seconds(delay: float) -> int:
     """Retry-After carries whole seconds; round up so a client retrying on time is admitted, never below 1."""
     return max(1, math.ceil(delay - 1e-9))
@@ -108,10 +116,7 @@ class RateLimiter:
         if self.client_header:
             value = lowered.get(self.client_header, "").strip()
             return value or None
-        auth = lowered.get("authorization", "")
-        if auth[:7].lower() == "bearer " and auth[7:].strip():
-            return auth[7:].strip()
-        return None
+        return bearer_token(lowered)
 
     def _client_bucket(self, key: str) -> TokenBucket:
         bucket = self._clients.get(key)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import Clock, retry_after_seconds
+from .admission import Clock, bearer_token, retry_after_seconds
 
 ANONYMOUS = "anonymous"
 CHARS_PER_TOKEN = 4          # English BPE text averages about 4 characters a token (OpenAI's rule of thumb)
@@ -209,10 +209,8 @@ class TenantLimiter:
             value = lowered.get(self.header, "").strip()
             if value:
                 return value[:128]
-        auth = lowered.get("authorization", "")
-        if auth[:7].lower() == "bearer " and auth[7:].strip():
-            return "key-" + hashlib.sha256(auth[7:].strip().encode()).hexdigest()[:12]
-        return ANONYMOUS
+        key = bearer_token(lowered)
+        return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12] if key else ANONYMOUS
 
     def _state(self, tenant: str) -> _TenantState:
         st = self._tenants.get(tenant)
