@@ -49,6 +49,10 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 1
 # Block allocation is host bookkeeping (microseconds); 0.05 is an edge because the alert's threshold is 50 ms.
 ALLOCATION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 ROUTER_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# vLLM's edges for tokens per engine step, and for a request's n
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+MAX_TOKENS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 _M = ("model_name",)
@@ -96,6 +100,22 @@ REQUEST_PROMPT_TOKENS = _engine("vllm:request_prompt_tokens", "histogram",
                                 "Prompt length of finished requests, in tokens.", buckets=TOKEN_BUCKETS)
 REQUEST_GENERATION_TOKENS = _engine("vllm:request_generation_tokens", "histogram",
                                     "Tokens generated per finished request (all samples).", buckets=TOKEN_BUCKETS)
+PREFILL_TIME = _engine("vllm:request_prefill_time_seconds", "histogram",
+                        "Time from first scheduling to the first generated token (the prefill phase).",
+                        buckets=REQUEST_BUCKETS)
+DECODE_TIME = _engine("vllm:request_decode_time_seconds", "histogram",
+                      "Time from the first generated token to the last (the decode phase).", buckets=REQUEST_BUCKETS)
+ITERATION_TOKENS = _engine("vllm:iteration_tokens_total", "histogram",
+                           "Tokens processed (prefilled plus generated) per engine step.",
+                           buckets=ITERATION_TOKEN_BUCKETS)
+REQUEST_PARAMS_N = _engine("vllm:request_params_n", "histogram", "The n parameter of finished requests.",
+                           buckets=PARAMS_N_BUCKETS)
+REQUEST_PARAMS_MAX_TOKENS = _engine("vllm:request_params_max_tokens", "histogram",
+                                    "The max_tokens parameter of finished requests.", buckets=MAX_TOKENS_BUCKETS)
+# An info-style gauge (always 1): the Gateway API Inference Extension reads block_size from its labels.
+CACHE_CONFIG_INFO = _engine("vllm:cache_config_info", "gauge", "Information of the KV cache configuration.",
+                            ("block_size", "cache_dtype", "num_gpu_blocks", "num_cpu_blocks", "swap_space",
+                             "enable_prefix_caching", "gpu_memory_utilization"))
 # vLLM has no block-allocation timing; the alert on slow allocation needs one.
 KV_BLOCK_ALLOCATION = _engine("pagedmodel:kv_block_allocation_seconds", "histogram",
                               "Time the block manager took to allocate KV blocks for one sequence group.",

@@ -1,7 +1,7 @@
 """The FastAPI app in front of one LLMEngine: routes, API-key check and the request log.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
-GET /health, GET /metrics.
+POST /tokenize, POST /detokenize, GET /version, GET /health, GET|POST /ping (= /health), GET /metrics.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from .errors import APIError, install_error_handlers
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .protocol import ModelCard, ModelList
 from .serving import OpenAIServing, ServerConfig
+from .tokenize import detokenize, tokenize
 
 logger = logging.getLogger("pagedmodel.server.api")
 
@@ -57,6 +58,14 @@ class RequestLogMiddleware:
         finally:
             if not logged[0]:   # the body never completed: the client went away mid-stream
                 log(" (client disconnected)")
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("pagedmodel")
+    except PackageNotFoundError:   # running from a source tree that was never installed
+        return "unknown"
 
 
 def build_app(engine: Any, config: ServerConfig) -> FastAPI:
@@ -103,6 +112,22 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
                          max_model_len=serving.max_model_len)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        check_key(request)
+        return await tokenize(serving, request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        check_key(request)
+        return await detokenize(serving, request)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": _package_version()})
+
+    # /ping is SageMaker's and vLLM's name for the health check; the same answer.
+    @app.api_route("/ping", methods=["GET", "POST"])
     @app.get("/health")
     async def health() -> Response:
         if not serving.async_engine.is_healthy:

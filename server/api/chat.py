@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, answers whole or streamed."""
+"""POST /v1/chat/completions: messages rendered with the model's chat template, answers whole or streamed;
+with `tools`, answers carry `tool_calls` (tool_calling.py decides how)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from pagedmodel.server.engine.outputs import CompletionOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import RequestGroup
 from .errors import APIError
@@ -15,35 +17,39 @@ from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompleti
                        ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
                        UsageInfo, random_id)
 from .serving import OpenAIServing
+from .structured_outputs import ensure_compiled
 from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk
+from .tool_calling import ToolPlan, delta_message, finish_reason, plan_tools, response_tool_calls
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request) -> Response:
     req = await serving.parse_body(request, ChatCompletionRequest)
     serving.check_model(req.model)
+    cfg = serving.config
+    plan = plan_tools(req.tools, req.tool_choice, cfg.tool_call_parser, cfg.enable_auto_tool_choice,
+                      req.parallel_tool_calls)
     try:
         params = req.to_sampling_params()
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
-    ids, _ = await serving.render_chat(req)
+    params = plan.constrain(params)
+    await ensure_compiled(serving, params)   # a schema that cannot compile: 400 before the engine sees it
+    ids, _ = await serving.render_chat(req.messages, tools=plan.tools,
+                                       add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message)
     serving.check_prompt(ids, params, param="messages")
     request_id = random_id("chatcmpl")
     group = await serving.submit(serving.build_subs(request_id, [ids], params, req.cache_salt), req.priority)
     request.state.log_info = f"id={request_id}"
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(stream_chat(serving, request, req, group, request_id, created, len(ids), params),
+        return StreamingResponse(stream_chat(serving, request, req, group, request_id, created, len(ids), params,
+                                             plan),
                                  media_type="text/event-stream", headers=stream_headers(request_id))
 
     final = await serving.collect(group, request)
-    top_n = req.top_logprobs or 0
-    choices = []
-    completion_tokens = 0
-    for o in sorted(final[0].outputs, key=lambda o: o.index):
-        completion_tokens += len(o.token_ids)
-        lp = chat_logprobs(serving, o.token_ids, o.logprobs, top_n) if req.logprobs else None
-        choices.append(ChatCompletionChoice(index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lp,
-                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+    choices = [_choice(serving, req, o, plan) for o in sorted(final[0].outputs, key=lambda o: o.index)]
+    completion_tokens = sum(len(o.token_ids) for o in final[0].outputs)
     usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                       total_tokens=len(ids) + completion_tokens)
     serving.set_log_info(request, request_id, len(ids), completion_tokens,
@@ -53,8 +59,19 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
     return Response(resp.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
 
 
+def _choice(serving: OpenAIServing, req: ChatCompletionRequest, o: CompletionOutput,
+            plan: ToolPlan) -> ChatCompletionChoice:
+    lp = chat_logprobs(serving, o.token_ids, o.logprobs, req.top_logprobs or 0) if req.logprobs else None
+    extracted = plan.extract(o.text)
+    message = ChatResponseMessage(content=extracted.content, tool_calls=response_tool_calls(extracted))
+    return ChatCompletionChoice(index=o.index, message=message, logprobs=lp,
+                                finish_reason=finish_reason(o.finish_reason, bool(extracted.calls)),
+                                stop_reason=o.stop_reason)
+
+
 def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionRequest, group: RequestGroup,
-                 request_id: str, created: int, prompt_tokens: int, params: SamplingParams) -> AsyncIterator[str]:
+                request_id: str, created: int, prompt_tokens: int, params: SamplingParams,
+                plan: ToolPlan) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     model = serving.model_name
     top_n = req.top_logprobs or 0
@@ -67,22 +84,33 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
         for j in range(params.n):
             yield chunk(ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
         tracker = DeltaTracker(params.n)
+        streamers = [plan.streamer() for _ in range(params.n)]
         completion_tokens = 0
         finishes: set[str] = set()
         async for _, out in group.outputs():
             for o in out.outputs:
-                delta, new_ids, new_lp, _ = tracker.advance(o.index, o)
+                text, new_ids, new_lp, _ = tracker.advance(o.index, o)
                 lp = chat_logprobs(serving, new_ids, new_lp, top_n) if req.logprobs and new_ids else None
-                if delta or lp is not None:
-                    yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(content=delta), logprobs=lp))
-                if tracker.newly_finished(o.index, o):
-                    completion_tokens += len(o.token_ids)
-                    finishes.add(o.finish_reason or "-")
-                    yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(),
-                                                           finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                streamer = streamers[o.index]
+                finished = tracker.newly_finished(o.index, o)
+                if streamer is None:
+                    delta = DeltaMessage(content=text)
+                else:   # on the last output, also what the parser still held back
+                    news = streamer.feed(text)
+                    delta = delta_message(news.extend(streamer.finish()) if finished else news)
+                if delta.content or delta.tool_calls or lp is not None:
+                    yield chunk(ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=lp))
+                if not finished:
+                    continue
+                completion_tokens += len(o.token_ids)
+                reason = finish_reason(o.finish_reason, streamer is not None and streamer.called)
+                finishes.add(reason or "-")
+                yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(),
+                                                       finish_reason=reason, stop_reason=o.stop_reason))
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))
         if include_usage:
             yield usage_chunk(ChatCompletionStreamResponse, request_id, created, model, prompt_tokens,
                               completion_tokens)
 
     return guarded_stream(serving, group, body())
+

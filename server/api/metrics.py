@@ -7,7 +7,10 @@ Scheduler gauges and the engine's cumulative token/cache/preemption counters are
 `engine.stats()` snapshot at scrape time (a custom collector: the engine keeps the authoritative
 totals, we never double count). Per-request latencies are observed on the engine loop thread as
 outputs arrive: TTFT and queue time from RequestOutput.metrics, inter-token latency from the time
-between steps that gave a request new tokens, end-to-end latency and the finish reason on completion.
+between steps that gave a request new tokens, end-to-end latency, prefill and decode time and the finish
+reason on completion. Tokens per step are the difference of the engine's cumulative token counters
+between two steps (the engine counts; nothing is counted twice). A request's `n` and `max_tokens` are
+observed when the engine accepts it (the parameters are fixed from then on).
 """
 from __future__ import annotations
 
@@ -87,13 +90,33 @@ class _EngineStatsCollector(Collector):
         return h
 
 
+def cache_config_labels(engine: Any) -> dict[str, str]:
+    """vllm:cache_config_info's labels, read once from a loaded engine (its KV cache never changes size)."""
+    args = getattr(engine, "args", None)
+    worker = getattr(engine, "worker", None)
+    dtype = getattr(worker, "dtype", None)
+
+    def arg(name: str) -> str:
+        return str(getattr(args, name, ""))
+    return {"block_size": arg("block_size"),
+            "cache_dtype": str(dtype).removeprefix("torch.") if dtype is not None else "",
+            "num_gpu_blocks": str(getattr(worker, "num_blocks", "")),
+            "num_cpu_blocks": str(getattr(worker, "num_cpu_blocks", "")),
+            "swap_space": arg("swap_space"), "enable_prefix_caching": arg("enable_prefix_caching"),
+            "gpu_memory_utilization": arg("gpu_memory_utilization")}
+
+
 class ServerMetrics:
     """The metrics of one model server, in their own registry (tests run several servers per process)."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], Any], registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, get_stats: Callable[[], Any], registry: CollectorRegistry | None = None,
+                 cache_config: dict[str, str] | None = None):
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(_EngineStatsCollector(model_name, get_stats))
+        if cache_config is not None:
+            info = mc.register(mc.CACHE_CONFIG_INFO, self.registry)
+            info.labels(**{k: cache_config.get(k, "") for k in mc.CACHE_CONFIG_INFO.labels}).set(1)
         # process_start_time_seconds & co.: a new start time within one pod is a restart (an alert reads it)
         ProcessCollector(registry=self.registry)
         self.request_success = mc.register(mc.REQUEST_SUCCESS, self.registry)
@@ -103,15 +126,43 @@ class ServerMetrics:
         self.queue_time = mc.register(mc.QUEUE_TIME, self.registry)
         self.prompt_tokens = mc.register(mc.REQUEST_PROMPT_TOKENS, self.registry)
         self.generation_tokens = mc.register(mc.REQUEST_GENERATION_TOKENS, self.registry)
+        self.prefill_time = mc.register(mc.PREFILL_TIME, self.registry)
+        self.decode_time = mc.register(mc.DECODE_TIME, self.registry)
+        self.iteration_tokens = mc.register(mc.ITERATION_TOKENS, self.registry)
+        self.params_n = mc.register(mc.REQUEST_PARAMS_N, self.registry)
+        self.params_max_tokens = mc.register(mc.REQUEST_PARAMS_MAX_TOKENS, self.registry)
+        self._tokens_seen = 0.0   # the engine's prompt + generation total at the last step (0 at start)
         # request id -> time of its last token; ITL needs it. Only the engine loop thread touches it,
         # except on_abort which the loop thread also calls; the lock covers test-side reads.
         self._last_token_time: dict[str, float] = {}
         self._lock = threading.Lock()
 
     # ---- StepObserver (called on the engine loop thread)
+    def on_submit(self, n: int, max_tokens: int) -> None:
+        """An engine request the engine accepted, with its n and its (effective) max_tokens."""
+        self.params_n.labels(self.model_name).observe(n)
+        self.params_max_tokens.labels(self.model_name).observe(max_tokens)
+
+    def _observe_iteration(self, stats: Any) -> None:
+        if stats is None:
+            return
+        total = float(getattr(stats, "prompt_tokens_total", 0) or 0) + float(
+            getattr(stats, "generation_tokens_total", 0) or 0)
+        if total > self._tokens_seen:
+            self.iteration_tokens.labels(self.model_name).observe(total - self._tokens_seen)
+        self._tokens_seen = total
+
+    def _observe_phases(self, metrics: Any) -> None:
+        first, sched, last = metrics.first_token_time, metrics.first_scheduled_time, metrics.last_token_time
+        if first is not None and sched is not None:
+            self.prefill_time.labels(self.model_name).observe(max(0.0, first - sched))
+        if first is not None and last is not None:
+            self.decode_time.labels(self.model_name).observe(max(0.0, last - first))
+
     def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None:
         m = self.model_name
         with self._lock:
+            self._observe_iteration(stats)
             for out in outputs:
                 got_tokens = any(out.new_token_counts) if out.new_token_counts else any(o.token_ids for o in out.outputs)
                 prev = self._last_token_time.get(out.request_id)
@@ -131,6 +182,7 @@ class ServerMetrics:
                         self.queue_time.labels(m).observe(max(0.0, q))
                     self.prompt_tokens.labels(m).observe(len(out.prompt_token_ids or ()))
                     self.generation_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
+                    self._observe_phases(out.metrics)
                     # One count per request, as vLLM does; n samples of one request share its reason.
                     reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
                     self.request_success.labels(m, reason).inc()

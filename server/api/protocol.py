@@ -7,6 +7,7 @@ SamplingParamsError (which names the field) to a 400.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -15,6 +16,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
                       model_serializer)
 
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
+from .structured_outputs import StructuredOutputsFields
 
 Number = Union[StrictFloat, StrictInt]
 MAX_PROMPTS_PER_REQUEST = 64   # a completions `prompt` list; each entry is its own engine request
@@ -26,8 +28,8 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class _SamplingRequest(BaseModel):
-    """Fields both endpoints share: OpenAI's sampling knobs plus vLLM's extras."""
+class _SamplingRequest(StructuredOutputsFields):
+    """Fields both endpoints share: OpenAI's sampling knobs plus vLLM's extras (structured outputs included)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -84,6 +86,7 @@ class _SamplingRequest(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
         return SamplingParams(**kwargs)
 
@@ -128,11 +131,28 @@ class TextContentPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCallParam(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: StrictStr
+    arguments: StrictStr   # JSON text, as the API returned it
+
+
+class ToolCallParam(BaseModel):
+    """A call of an earlier assistant turn, sent back for multi-turn tool use."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -140,6 +160,34 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_dict(self, i: int) -> dict[str, Any]:
+        """The message as chat templates take it (call arguments as objects); raises naming the bad field."""
+        m: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            m["name"] = self.name
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise SamplingParamsError(f"messages[{i}]: a tool message needs tool_call_id",
+                                          f"messages[{i}].tool_call_id")
+            m["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise SamplingParamsError(f"messages[{i}]: only assistant messages carry tool_calls",
+                                          f"messages[{i}].tool_calls")
+            m["tool_calls"] = [self._call_dict(i, j, c) for j, c in enumerate(self.tool_calls)]
+        return m
+
+    @staticmethod
+    def _call_dict(i: int, j: int, call: ToolCallParam) -> dict[str, Any]:
+        try:
+            args = json.loads(call.function.arguments)
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise SamplingParamsError(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object",
+                                      f"messages[{i}].tool_calls[{j}].function.arguments")
+        return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -149,15 +197,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None   # validated by tool_definitions.parse_tools (400s naming tools[i]...)
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True   # false: `required` makes exactly one call
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise SamplingParamsError("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise SamplingParamsError("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
@@ -228,9 +272,21 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -250,14 +306,32 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: index always; id, type and name in its first piece; argument text after."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="plain")
     def _drop_unset(self) -> dict[str, Any]:
         # OpenAI sends only the keys a delta changes: {"role": ...} first, then {"content": ...}, then {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        return out
 
 
 class ChatCompletionStreamChoice(BaseModel):

@@ -26,6 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from .tool_parsers import TOOL_PARSERS
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto": the model decides, --tool-call-parser reads its calls')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the model's tool-call format (hermes: <tool_call>{...}</tool_call>)")
 
 
 class _GracefulServer:
@@ -71,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pagedmodel serve: error: {exc}", file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("pagedmodel serve: error: --enable-auto-tool-choice requires --tool-call-parser", file=sys.stderr)
+        return 2
     if not 0 <= args.port <= 65535:
         print(f"pagedmodel serve: error: --port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
@@ -84,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(served_model_name=engine.model_name,
                           api_key=args.api_key or os.environ.get("PAGEDMODEL_API_KEY") or None,
                           log_requests=args.log_requests, max_queue_len=engine_args.max_queue_len,
-                          model_root=engine_args.model)
+                          model_root=engine_args.model, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser)
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, args.host, args.port,
                 engine.max_model_len)

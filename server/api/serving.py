@@ -26,8 +26,10 @@ from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
 from .errors import APIError, validation_message
-from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest
+from .metrics import ServerMetrics, cache_config_labels
+from .protocol import ChatMessage
+from .tool_definitions import FunctionTool
+from .tool_prompt import prepare_chat
 
 logger = logging.getLogger("pagedmodel.server.api")
 
@@ -45,6 +47,9 @@ class ServerConfig:
     max_queue_len: int | None = None
     model_root: str | None = None
     retry_after_s: int = 1
+    # vLLM's --enable-auto-tool-choice / --tool-call-parser: tool_choice "auto" needs both
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class ClientDisconnected(Exception):
@@ -72,7 +77,8 @@ class OpenAIServing:
         self._token_str_cache: dict[int, str] = {}
         self.async_engine = AsyncEngine(engine, max_queue_len=config.max_queue_len,
                                         retry_after_s=config.retry_after_s)
-        self.metrics = metrics or ServerMetrics(self.model_name, lambda: self.async_engine.last_stats)
+        self.metrics = metrics or ServerMetrics(self.model_name, lambda: self.async_engine.last_stats,
+                                                cache_config=cache_config_labels(engine))
         self.async_engine.observer = self.metrics
         self.draining = False
 
@@ -137,28 +143,41 @@ class OpenAIServing:
     async def _in_tokenizer_thread(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, fn)
 
-    async def tokenize_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+    async def tokenize_prompt(self, prompt: str | list[int],
+                              add_special_tokens: bool = True) -> tuple[list[int], str | None]:
         if isinstance(prompt, list):
             return list(prompt), None
+        tok = self._enc_tokenizer
+
+        def encode() -> list[int]:
+            ids = encode_prompt(tok, prompt)   # the engine's checks and messages
+            return ids if add_special_tokens else list(tok(prompt, add_special_tokens=False).input_ids)
         try:
-            ids = await self._in_tokenizer_thread(lambda: encode_prompt(self._enc_tokenizer, prompt))
+            ids = await self._in_tokenizer_thread(encode)
         except InvalidRequestError as exc:
             raise _bad_request(exc) from None
         return ids, prompt
 
-    async def render_chat(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
-        if not getattr(self._enc_tokenizer, "chat_template", None):
+    async def render_chat(self, messages: list[ChatMessage], *, tools: list[FunctionTool] | None = None,
+                          add_generation_prompt: bool = True, continue_final_message: bool = False,
+                          add_special_tokens: bool = False) -> tuple[list[int], str]:
+        """The messages (and tools) through the model's chat template: (token ids, rendered text)."""
+        template = getattr(self._enc_tokenizer, "chat_template", None)
+        if not template:
             raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
                            param="messages", code="chat_template_missing")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        try:
+            dicts = [m.template_dict(i) for i, m in enumerate(messages)]
+        except SamplingParamsError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        dicts, extra = prepare_chat(dicts, tools or [], template)
 
         def render() -> tuple[list[int], str]:
             text = self._enc_tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message)
-            # The template already holds the special tokens (BOS, role markers): add none.
-            return list(self._enc_tokenizer(text, add_special_tokens=False).input_ids), text
+                dicts, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **extra)
+            # The template already holds the special tokens (BOS, role markers): add none unless asked.
+            return list(self._enc_tokenizer(text, add_special_tokens=add_special_tokens).input_ids), text
         try:
             return await self._in_tokenizer_thread(render)
         except Exception as exc:  # jinja TemplateError ("roles must alternate"), encode errors
@@ -176,6 +195,15 @@ class OpenAIServing:
         """Token ids as text, on the event loop's own tokenizer copy (an echoed token-id prompt)."""
         return self._dec_tokenizer.decode(ids)
 
+    @property
+    def tokenizer_size(self) -> int:
+        """Ids the tokenizer can decode (the model's logits may be wider, padded to a round size)."""
+        return len(self._dec_tokenizer)
+
+    def token_pieces(self, ids: list[int]) -> list[str]:
+        """The tokenizer's own piece for each id (`Ġhello`), as vLLM's /tokenize returns them."""
+        return list(self._dec_tokenizer.convert_ids_to_tokens(ids))
+
     def token_str(self, token_id: int) -> str:
         s = self._token_str_cache.get(token_id)
         if s is None:
@@ -192,7 +220,7 @@ class OpenAIServing:
     async def submit(self, subs: list[SubRequest], priority: int) -> RequestGroup:
         self.check_accepting()
         try:
-            return await self.async_engine.add(subs, priority=priority)
+            group = await self.async_engine.add(subs, priority=priority)
         except QueueFullError as exc:
             raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from None
         except EngineDeadError as exc:
@@ -201,6 +229,11 @@ class OpenAIServing:
             raise _bad_request(exc) from None
         except SamplingParamsError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+        for sub in subs:
+            p = sub.params
+            max_tokens = p.max_tokens if p.max_tokens is not None else self.max_model_len - len(sub.prompt)
+            self.metrics.on_submit(p.n, max_tokens)
+        return group
 
     async def collect(self, group: RequestGroup, request: Request) -> dict[int, RequestOutput]:
         """Wait for every sub-request's final output; a client that disconnects aborts the group."""
