@@ -84,8 +84,18 @@ def _error(status: int, message: str, *, code: str | None = None, retry_after: i
                              status=status, headers=headers or None)
 
 
+def _tools_key(tools: Any) -> str:
+    """Tool definitions as canonical JSON: the same tools (whatever their key order) give the same key."""
+    return "tools:" + json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _prompt_key(body: dict[str, Any]) -> str:
-    """The leading text prefix affinity hashes: the prompt, or the chat messages rendered in order."""
+    """The leading text prefix affinity hashes: the prompt, or the chat messages rendered in order.
+
+    A chat request's tools go where the engine renders them, into the system prompt ahead of the
+    conversation (after the first system message's own text), so requests sharing a system prompt and
+    tools share an upstream, and with it their cached prefix.
+    """
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]   # a batch of prompts: the first one decides
@@ -100,6 +110,10 @@ def _prompt_key(body: dict[str, Any]) -> str:
             if isinstance(m, dict):
                 content = m.get("content")
                 parts.append(f"{m.get('role')}:{content if isinstance(content, str) else json.dumps(content)}")
+        tools = body.get("tools")
+        if tools:
+            first_is_system = bool(messages) and isinstance(messages[0], dict) and messages[0].get("role") == "system"
+            parts.insert(1 if first_is_system else 0, _tools_key(tools))
         return "\n".join(parts)
     return ""
 
@@ -145,6 +159,12 @@ class RouterApp:
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/{tail:.+}", self.proxy_post)
+        # vLLM's serving surface, passed through as the /v1 routes are; /ping is the router's own liveness
+        app.router.add_post("/tokenize", self.proxy_post)
+        app.router.add_post("/detokenize", self.proxy_post)
+        app.router.add_get("/version", self.models)
+        app.router.add_get("/ping", self.health)
+        app.router.add_post("/ping", self.health)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -275,7 +295,7 @@ class RouterApp:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        """Served models, from any ready upstream (they all serve the same model)."""
+        """Served models (or /version), from any ready upstream (they all serve the same model)."""
         return await self._forward(request, "GET", b"", priority=0, prompt="", adm=None)
 
     async def proxy_post(self, request: web.Request) -> web.StreamResponse:
