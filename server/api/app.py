@@ -95,15 +95,16 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
             raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        check_key(request)
-        return await create_completion(serving, request)
+    def keyed(handler: Callable[[OpenAIServing, Request], Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            check_key(request)
+            return await handler(serving, request)
+        return route
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        check_key(request)
-        return await create_chat_completion(serving, request)
+    # The POST routes that use the model: all behind the API key.
+    for path, handler in (("/v1/completions", create_completion), ("/v1/chat/completions", create_chat_completion),
+                          ("/tokenize", tokenize), ("/detokenize", detokenize)):
+        app.post(path)(keyed(handler))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -111,16 +112,6 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         card = ModelCard(id=serving.model_name, root=config.model_root or serving.model_name,
                          max_model_len=serving.max_model_len)
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
-
-    @app.post("/tokenize")
-    async def tokenize_route(request: Request) -> Response:
-        check_key(request)
-        return await tokenize(serving, request)
-
-    @app.post("/detokenize")
-    async def detokenize_route(request: Request) -> Response:
-        check_key(request)
-        return await detokenize(serving, request)
 
     @app.get("/version")
     async def version() -> Response:

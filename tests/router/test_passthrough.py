@@ -4,53 +4,20 @@ directly; the `prefix` strategy keys chat requests with tools on their canonical
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 
 from pagedmodel.server.router.app import _prompt_key
 from pagedmodel.server.router.strategies import PrefixAffinity
 from pagedmodel.server.router.upstreams import UpstreamView
-from support import free_port, stop_process, wait_healthy
+# the same real router in front of a real tiny engine (this module gets its own instance)
+from test_engine_through_router import engine_and_router  # noqa: F401
 
 PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a color",
                                          "parameters": {"type": "object", "required": ["color"],
                                                         "additionalProperties": False,
                                                         "properties": {"color": {"enum": ["red", "green"]}}}}}
 NAMED = {"type": "function", "function": {"name": "pick"}}
-
-
-def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-
-
-@pytest.fixture(scope="module")
-def engine_and_router(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    logs = tmp_path_factory.mktemp("router_passthrough")
-    eport, rport = free_port(), free_port()
-    engine_url, router_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{rport}"
-    engine = _start(["serve", "--model", str(tiny_llama_dir), "--device", "cpu", "--host", "127.0.0.1",
-                     "--port", str(eport), "--max-model-len", "512", "--kv-cache-memory", str(8 << 20),
-                     "--served-model-name", "tiny-smol"], logs / "engine.log")
-    router = None
-    try:
-        wait_healthy(engine_url, engine, 180, logs / "engine.log")
-        router = _start(["router", "--upstream", engine_url, "--host", "127.0.0.1", "--port", str(rport),
-                         "--rate-limit", "100", "--burst", "100", "--strategy", "prefix"], logs / "router.log")
-        wait_healthy(router_url, router, 60, logs / "router.log")
-        yield engine_url, router_url
-    finally:
-        if router is not None:
-            stop_process(router)
-        stop_process(engine)
 
 
 def test_tokenize_detokenize_version_pass_through(engine_and_router: tuple[str, str]) -> None:
