@@ -265,6 +265,16 @@ def report_engine(engine: str, r: dict) -> None:
     print(f"  {engine:10s} {r['tok_s']:8.1f} output tok/s ({r['output_tokens']} tokens, {r['seconds']:.1f} s)", flush=True)
 
 
+def report_serving_share(results: dict, args) -> None:
+    """Serving at ``inf`` against the offline engine on the same requests (item 5 of issue #13: >= 90 %)."""
+    offline = results["offline"].get("mixed", {}).get("ours", {}).get("tok_s")
+    served = [r for r in results["serving"].get("ours", []) if math.isinf(r["rate"])]
+    if offline and served and args.serve_prompts == args.num_mixed:
+        share = served[0]["output_tok_s"] / offline
+        results["serving_share_of_offline"] = share
+        print(f"  ours serving at rate inf / ours offline (mixed, same {args.num_mixed} requests): {share:.0%}", flush=True)
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--vllm-worker":
         vllm_worker(sys.argv[2], sys.argv[3])
@@ -326,6 +336,7 @@ def main() -> None:
                   f"({o['overhead_share']:.1%})", flush=True)
     if args.serve_rates:
         results["serving"] = run_serving(model_dir, workloads["mixed"], tok, args)
+        report_serving_share(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
