@@ -189,3 +189,11 @@ def test_bad_tool_requests_are_400s_naming_the_field(client: openai.OpenAI, tool
     assert ok.choices[0].finish_reason in ("stop", "length")   # the server stays up
     metrics = tool_server.metrics()
     assert metrics.get("pagedmodel:kv_cache_blocks_total", 0) - metrics.get("pagedmodel:kv_cache_blocks_free", 0) == 0
+
+
+def test_auto_tool_choice_flag_needs_a_parser() -> None:
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "serve", "--device", "cpu",
+                        "--enable-auto-tool-choice"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--enable-auto-tool-choice requires --tool-call-parser" in r.stderr
