@@ -26,7 +26,11 @@ HF_CACHE_MOUNT = "/var/cache/huggingface"
 STARTUP_PERIOD_S = 5
 READINESS = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
 LIVENESS = {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6, "successThreshold": 1}
-TERMINATION_GRACE_S = 60      # > serve's default --shutdown-timeout (30 s) so in-flight requests finish
+# Engine pods drain for ENGINE_DRAIN_S after SIGTERM (serve --shutdown-timeout, set explicitly so the two
+# cannot drift apart); the kubelet's SIGKILL comes SHUTDOWN_MARGIN_S later, leaving time to exit cleanly.
+ENGINE_DRAIN_S = 50
+SHUTDOWN_MARGIN_S = 10
+TERMINATION_GRACE_S = ENGINE_DRAIN_S + SHUTDOWN_MARGIN_S
 NON_ROOT_UID = 1000
 # Engine fields the tuner may override; anything else in its annotation is ignored.
 TUNABLE = frozenset({"maxNumSeqs", "blockSize", "maxNumBatchedTokens", "enablePrefixCaching"})
@@ -96,7 +100,30 @@ def engine_args(pm: dict[str, Any], spec: dict[str, Any], engine: dict[str, Any]
         args += ["--max-queue-len", str(engine["maxQueueLength"])]
     if engine["enablePrefixCaching"]:
         args.append("--enable-prefix-caching")
-    return args + list(engine.get("extraArgs") or [])
+    extra = list(engine.get("extraArgs") or [])
+    if _drain_override(extra) is None:
+        args += ["--shutdown-timeout", str(ENGINE_DRAIN_S)]
+    return args + extra
+
+
+def _drain_override(extra_args: list[str]) -> float | None:
+    """The --shutdown-timeout a user put in extraArgs (the last wins, as in argparse), else None."""
+    found: float | None = None
+    for i, arg in enumerate(extra_args):
+        value = arg.split("=", 1)[1] if arg.startswith("--shutdown-timeout=") else (
+            extra_args[i + 1] if arg == "--shutdown-timeout" and i + 1 < len(extra_args) else None)
+        if value is not None:
+            try:
+                found = float(value)
+            except ValueError:
+                continue   # serve itself refuses it, with its own message
+    return found
+
+
+def termination_grace_s(engine: dict[str, Any]) -> int:
+    """Grace for engine pods: the drain plus a margin, so a longer --shutdown-timeout in extraArgs is honoured."""
+    drain = _drain_override(list(engine.get("extraArgs") or []))
+    return TERMINATION_GRACE_S if drain is None else max(TERMINATION_GRACE_S, math.ceil(drain) + SHUTDOWN_MARGIN_S)
 
 
 def _num(value: float) -> str:
@@ -208,7 +235,7 @@ def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
                 "spec": {
                     "automountServiceAccountToken": False,     # engines never call the API server
                     "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+                    "terminationGracePeriodSeconds": termination_grace_s(engine),
                     "securityContext": _pod_security(),
                     "containers": [container],
                     "volumes": volumes,

@@ -18,6 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger("pagedmodel.server.api")
 
+# Set on a 503 the engine sends before it has started the request (draining after SIGTERM, engine
+# dead), naming the reason: any other replica may take the request, so a router retries it there
+# instead of relaying it. A 503 without it is back-pressure from a live engine and is relayed.
+UNSERVED_HEADER = "X-PagedModel-Unserved"
+
 # OpenAI's `type` strings per status, as its SDKs and vLLM emit them.
 _TYPE_BY_STATUS = {
     400: "BadRequestError",

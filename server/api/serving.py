@@ -25,7 +25,7 @@ from pagedmodel.server.engine.input_processor import InvalidRequestError, encode
 from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
-from .errors import APIError, validation_message
+from .errors import UNSERVED_HEADER, APIError, validation_message
 from .metrics import ServerMetrics, cache_config_labels
 from .protocol import ChatMessage
 from .tool_definitions import FunctionTool
@@ -135,9 +135,11 @@ class OpenAIServing:
 
     def check_accepting(self) -> None:
         if self.draining:
-            raise APIError(503, "server is shutting down", code="shutting_down", headers={"Retry-After": "5"})
+            raise APIError(503, "server is shutting down", code="shutting_down",
+                           headers={"Retry-After": "5", UNSERVED_HEADER: "shutting_down"})
         if not self.async_engine.is_healthy:
-            raise APIError(503, f"engine is not running: {self.async_engine.dead_reason}", code="engine_dead")
+            raise APIError(503, f"engine is not running: {self.async_engine.dead_reason}", code="engine_dead",
+                           headers={UNSERVED_HEADER: "engine_dead"})
 
     # ------------------------------------------------------------------ tokenization
     async def _in_tokenizer_thread(self, fn: Callable[[], Any]) -> Any:

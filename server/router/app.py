@@ -4,9 +4,10 @@ Per request: rate limit (429) -> the tenant's request and token limits (429 with
 x-ratelimit-* headers, tenancy.py) -> free upstream slot now, else the bounded priority queue, fair
 between tenants (503 when full or timed out) -> strategy picks the upstream -> the response is
 streamed back chunk by chunk, its usage settling the tenant's reservation. A connection failure
-before any response byte is retried on another upstream; an upstream failing repeatedly is ejected
-and re-probed (upstreams.py). Mid-stream failures end an SSE stream with an OpenAI-style error
-event, which the `openai` SDK raises as APIError.
+before any response byte, or a 503 the engine marks as refused unstarted (X-PagedModel-Unserved:
+draining after SIGTERM), is retried on another upstream; a started response never is. An upstream
+failing repeatedly is ejected and re-probed (upstreams.py). Mid-stream failures end an SSE stream
+with an OpenAI-style error event, which the `openai` SDK raises as APIError.
 
 Upstreams come from `--upstream URL` (static) or `--discover SELECTOR` (Ready pods, watched via
 the Kubernetes API; see discovery.py).
@@ -29,7 +30,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pagedmodel.server.api.errors import APIError
+from pagedmodel.server.api.errors import UNSERVED_HEADER, APIError
 from .admission import RateLimiter
 from .discovery import PodDiscovery, current_namespace
 from .metrics import RouterMetrics
@@ -339,6 +340,7 @@ class RouterApp:
         assert self.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         tried: set[str] = set()
+        unserved: str | None = None   # the last attempt's refusal, when an engine refused it unstarted
         for attempt in range(self.cfg.max_attempts):
             try:
                 up = await self._acquire(priority, prompt, tried, adm)
@@ -359,6 +361,17 @@ class RouterApp:
                 if self.pool.record_failure(up):
                     self.metrics.healthy.labels(up.url).set(0)
                 self._release(up)
+                unserved = None
+                if attempt + 1 < self.cfg.max_attempts:
+                    self.metrics.retries.inc()
+                continue
+            if (reason := _unserved_reason(upstream_resp)) is not None:
+                # The engine refused before starting (draining after SIGTERM, dead): another replica
+                # takes it; relaying this 503 would lose a request during every scale-down or rollout.
+                upstream_resp.release()
+                self.pool.record_unserved(up, reason)
+                self._release(up)
+                unserved = reason
                 if attempt + 1 < self.cfg.max_attempts:
                     self.metrics.retries.inc()
                 continue
@@ -373,6 +386,10 @@ class RouterApp:
             finally:
                 self.metrics.latency.labels(up.url).observe(max(0.0, self.clock() - started))
                 self._release(up)
+        if unserved is not None:
+            return self._count(_error(503, f"no replica could take the request after {self.cfg.max_attempts} "
+                                           f"attempts (last: {unserved})", code="upstreams_unavailable",
+                                      retry_after=1))
         return self._count(_error(502, f"no upstream answered after {self.cfg.max_attempts} attempts",
                                   code="upstream_unreachable"))
 
@@ -414,6 +431,13 @@ class RouterApp:
                 return resp
         await resp.write_eof()
         return resp
+
+
+def _unserved_reason(resp: aiohttp.ClientResponse) -> str | None:
+    """Why the engine refused the request before starting it (its 503 says so in a header), else None."""
+    if resp.status != 503:
+        return None
+    return resp.headers.get(UNSERVED_HEADER)
 
 
 # CLI

@@ -133,6 +133,14 @@ class UpstreamPool:
             return True
         return False
 
+    def record_unserved(self, up: Upstream, reason: str) -> None:
+        """The upstream said it cannot take requests (draining, dead): out of rotation now, not after
+        N failures; the /health probe re-admits it if it comes back (a restart on the same address)."""
+        if not up.ejected:
+            up.consecutive_failures = max(up.consecutive_failures, self.failures_to_eject)
+            self._eject(up)
+            logger.info("upstream %s refused a request unstarted (%s): out of rotation", up.url, reason)
+
     def _eject(self, up: Upstream) -> None:
         backoff = min(self.max_backoff, self.base_backoff * (2 ** up.ejections))
         up.ejections += 1

@@ -70,9 +70,26 @@ def test_cpu_engine_flags_are_exactly_the_spec():
     assert flags(c["args"]) == {
         "--model": "smollm2", "--served-model-name": "smol", "--host": "0.0.0.0", "--port": "8000",
         "--block-size": "16", "--max-num-seqs": "4", "--max-model-len": "256", "--kv-cache-memory": "16000000",
-        "--swap-space": "0", "--dtype": "auto", "--device": "cpu", "--enable-prefix-caching": True}
+        "--swap-space": "0", "--dtype": "auto", "--device": "cpu", "--enable-prefix-caching": True,
+        "--shutdown-timeout": "50"}
     assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}}
+
+
+@pytest.mark.parametrize("extra, drain, grace", [
+    ([], "50", 60),                                    # the default drain ends 10 s before the SIGKILL
+    (["--shutdown-timeout", "300"], None, 310),        # the user's longer drain gets a grace to match
+    (["--shutdown-timeout=5"], None, 60),              # a shorter one keeps the default grace
+])
+def test_engine_drain_ends_before_the_kubelets_sigkill(extra, drain, grace):
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["engine"]["extraArgs"] = extra
+    deployment = engine(make_pm(spec))
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args.count("--shutdown-timeout") + sum(a.startswith("--shutdown-timeout=") for a in args) == 1
+    if drain is not None:
+        assert flags(args)["--shutdown-timeout"] == drain
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == grace
 
 
 def test_gpu_engine_flags_resources_and_optional_flags():

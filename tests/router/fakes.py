@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from pagedmodel.server.api.errors import UNSERVED_HEADER
 from pagedmodel.server.router.app import RouterApp, RouterConfig, serve
 from support import free_port
 
@@ -45,6 +46,7 @@ class FakeUpstream:
         self.between: asyncio.Event | None = None
         self.break_after: int | None = None
         self.status = 200
+        self.unserved: str | None = None     # set: answer 503 + X-PagedModel-Unserved, as a draining engine does
         self._runner: web.AppRunner | None = None
 
     @property
@@ -54,7 +56,8 @@ class FakeUpstream:
     async def start(self) -> None:
         app = web.Application()
         async def health(_r: web.Request) -> web.Response:
-            return web.json_response({"status": "ok"})
+            return web.json_response({"status": "ok"} if self.unserved is None else {"status": self.unserved},
+                                     status=200 if self.unserved is None else 503)
 
         async def models(_r: web.Request) -> web.Response:
             return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model",
@@ -85,6 +88,10 @@ class FakeUpstream:
         self.served.append(body)
         if self.hold is not None:
             await self.hold.wait()
+        if self.unserved is not None:
+            return web.json_response({"error": {"message": "server is shutting down", "type": "X", "param": None,
+                                                "code": self.unserved}},
+                                     status=503, headers={UNSERVED_HEADER: self.unserved, "Retry-After": "5"})
         if self.status != 200:
             return web.json_response({"error": {"message": "boom", "type": "X", "param": None, "code": None}},
                                      status=self.status)
