@@ -1,6 +1,20 @@
 """Test doubles shared by the router tests."""
 from __future__ import annotations
 
+import asyncio
+
+
+def run(coro):
+    """Run one async test body, bounded so a hang fails instead of stalling the suite."""
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def eventually(predicate, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
 
 class FakeClock:
     """A monotonic clock the test advances by hand."""
@@ -15,7 +29,6 @@ class FakeClock:
         self.t += dt
 
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator

@@ -8,23 +8,12 @@ import sys
 import aiohttp
 import pytest
 
-from fakes import FakeUpstream, running_router
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
+from fakes import FakeUpstream, eventually, run, running_router
 
 
 async def started(*ups: FakeUpstream) -> None:
     for u in ups:
         await u.start()
-
-
-async def eventually(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 def test_proxies_completions_models_health_and_metrics():

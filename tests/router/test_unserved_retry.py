@@ -3,22 +3,10 @@ SIGTERM) is retried on another replica, never relayed; a started stream is never
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 
-from fakes import FakeUpstream, running_router
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 60))
-
-
-async def eventually(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
+from fakes import FakeUpstream, eventually, run, running_router
 
 
 def test_draining_replicas_503_is_retried_elsewhere_and_takes_it_out_of_rotation():
