@@ -84,6 +84,11 @@ def test_hermes_stream_sends_the_name_before_the_arguments_end() -> None:
     assert s.feed("_call>").content == "" and s.finish().content == ""
 
 
+def test_text_without_calls_is_left_as_written() -> None:
+    assert get_tool_parser("hermes").extract("  Hello.\n").content == "  Hello.\n"
+    assert get_tool_parser("hermes").extract("").content is None
+
+
 def test_a_call_cut_off_mid_stream_was_already_announced() -> None:
     """A stream cannot take back a name it sent: the cut-off call stays a call (finish_reason says length)."""
     s = get_tool_parser("hermes").streamer()

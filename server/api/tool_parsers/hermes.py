@@ -45,6 +45,8 @@ class HermesToolParser:
             kept.append(text[pos:m.start()])
             pos = m.end()
             calls.append(call)
+        if not calls:   # nothing taken out: the text as the model wrote it, as without tools
+            return ExtractedToolCalls([], text or None)
         kept.append(text[pos:])
         content = "".join(kept).strip()
         return ExtractedToolCalls(calls, content or None)
