@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .chat import create_chat_completion
 from .completions import create_completion
+from .drain_cutoff import DrainCutoffMiddleware
 from .errors import APIError, install_error_handlers
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .protocol import ModelCard, ModelList
@@ -83,6 +84,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pagedmodel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = serving
     install_error_handlers(app)
+    app.add_middleware(DrainCutoffMiddleware, is_draining=lambda: serving.draining)
     if config.log_requests:
         app.add_middleware(RequestLogMiddleware)
 
