@@ -58,7 +58,7 @@ SCHEMAS: list[tuple[str, dict]] = [
                                 "sku": {"type": "string", "pattern": "^[A-Z]{3}$"},
                                 "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
                                 "required": ["sku", "qty"], "additionalProperties": False},
-                            "minItems": 1, "maxItems": 2}}, "required": ["id", "items"]}),
+                            "minItems": 1, "maxItems": 1}}, "required": ["id", "items"]}),
     ("Give a version number.", {"type": "object", "properties": {"major": {"type": "integer", "minimum": 0,
                                 "maximum": 99}, "minor": {"type": "integer", "minimum": 0, "maximum": 99}},
                                 "required": ["major", "minor"]}),
@@ -83,7 +83,7 @@ def chat(llm: LLM, question: str) -> str:
                                              tokenize=False, add_generation_prompt=True)
 
 
-def greedy(spec: SO | None, max_tokens: int = 96, **kw) -> SamplingParams:
+def greedy(spec: SO | None, max_tokens: int = 64, **kw) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec, **kw)
 
 
