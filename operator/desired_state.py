@@ -31,6 +31,8 @@ LIVENESS = {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6, "su
 ENGINE_DRAIN_S = 50
 SHUTDOWN_MARGIN_S = 10
 TERMINATION_GRACE_S = ENGINE_DRAIN_S + SHUTDOWN_MARGIN_S
+# The router waits 60 s for running requests after SIGTERM (DRAIN_S in server/router/app.py).
+ROUTER_GRACE_S = 60 + SHUTDOWN_MARGIN_S
 NON_ROOT_UID = 1000
 # Engine fields the tuner may override; anything else in its annotation is ignored.
 TUNABLE = frozenset({"maxNumSeqs", "blockSize", "maxNumBatchedTokens", "enablePrefixCaching"})
@@ -348,6 +350,7 @@ def router_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
                                              "prometheus.io/port": str(names.ENGINE_PORT),
                                              "prometheus.io/path": "/metrics"}},
                 "spec": {"serviceAccountName": names.router_name(model), "enableServiceLinks": False,
+                         "terminationGracePeriodSeconds": ROUTER_GRACE_S,
                          "securityContext": _pod_security(), "containers": [container],
                          **({"imagePullSecrets": [{"name": s} for s in spec["imagePullSecrets"]]}
                             if spec.get("imagePullSecrets") else {})},

@@ -46,6 +46,9 @@ logger = logging.getLogger("pagedmodel.router")
 # Hop-by-hop headers (RFC 9110 §7.6.1) and ones the proxy recomputes are never forwarded.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                   "transfer-encoding", "upgrade", "host", "content-length"})
+# On SIGTERM the router stops accepting and gives running requests (streams relayed from engines) this
+# long; the operator's router pods get a grace period above it (operator/desired_state.py).
+DRAIN_S = 60.0
 _CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                    aiohttp.ServerTimeoutError, asyncio.TimeoutError)
 
@@ -530,7 +533,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awaitable[None] | None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set (or forever). `ready(port)` is called once listening (tests use port 0)."""
-    runner = web.AppRunner(app.build(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app.build(), handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -197,6 +197,9 @@ def test_router_shape_and_public_service_target():
     assert on[("Service", "smollm2")]["spec"]["selector"]["app.kubernetes.io/component"] == "router"
     rc = on[("Deployment", "smollm2-router")]["spec"]["template"]["spec"]
     assert rc["serviceAccountName"] == "smollm2-router"
+    # its in-flight streams get the router's whole drain before the kubelet's SIGKILL
+    from pagedmodel.server.router.app import DRAIN_S
+    assert rc["terminationGracePeriodSeconds"] > DRAIN_S
     f = flags(rc["containers"][0]["args"])
     assert f["--discover"] == "app.kubernetes.io/component=engine,pagedmodel.io/name=smollm2"
     assert f["--strategy"] == "least-load" and f["--rate-limit"] == "50" and f["--burst"] == "100"
