@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedmodel.kernels import cpu_linear
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import AttentionBackend
 
@@ -141,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None   # a prepacked head for the tied weight (use_packed_linears)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -150,5 +152,17 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def use_packed_linears(self) -> int:
+        """fp32 on CPU: every projection and the head through oneDNN-prepacked weights
+        (``kernels/cpu_linear.py``); returns how many layers were packed (0: not applicable or off)."""
+        packed = cpu_linear.pack_linears(self)
+        if packed and self.lm_head is None and cpu_linear.applies(self.embed_tokens.weight):
+            self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight)
+            packed += 1
+        return packed

@@ -1,0 +1,86 @@
+"""oneDNN-prepacked linears (kernels/cpu_linear.py): same results as F.linear, used only where they apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedmodel.kernels import cpu_linear
+from pagedmodel.kernels.cpu_linear import PackedLinear, pack_linears
+
+needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("rows", [0, 1, cpu_linear.MIN_ROWS - 1, cpu_linear.MIN_ROWS, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matches_f_linear(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 40, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 40, generator=g)
+    with torch.inference_mode():
+        got = PackedLinear(w, b)(x)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkldnn
+def test_packed_path_is_taken_from_min_rows(monkeypatch):
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    layer = PackedLinear(torch.randn(16, 8))
+    layer(torch.randn(cpu_linear.MIN_ROWS - 1, 8))
+    assert calls == []
+    layer(torch.randn(cpu_linear.MIN_ROWS, 8))
+    assert calls == [1]
+
+
+def _net(dtype=torch.float32) -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4, bias=False))).to(dtype)
+
+
+@needs_mkldnn
+def test_pack_linears_replaces_fp32_layers_and_keeps_their_parameters():
+    net = _net()
+    before = dict(net.named_parameters())
+    x = torch.randn(32, 8)
+    expected = net(x)
+    assert pack_linears(net) == 2
+    assert isinstance(net[0], PackedLinear) and isinstance(net[2][0], PackedLinear)
+    assert {k: v.data_ptr() for k, v in net.named_parameters()} == {k: v.data_ptr() for k, v in before.items()}
+    with torch.inference_mode():
+        torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_linears_leaves_bf16_layers_and_honours_off(monkeypatch):
+    assert pack_linears(_net(torch.bfloat16)) == 0
+    monkeypatch.setenv(cpu_linear.LINEAR_ENV, "off")
+    net = _net()
+    assert pack_linears(net) == 0 and type(net[0]) is nn.Linear
+
+
+def test_a_bad_env_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(cpu_linear.LINEAR_ENV, "fast")
+    with pytest.raises(ValueError, match="PAGEDMODEL_CPU_LINEAR must be one of"):
+        pack_linears(_net())
+
+
+@needs_mkldnn
+def test_engine_tokens_are_the_same_packed_or_not(tiny_llama_dir, monkeypatch):
+    """The engine packs every projection and the tied head, and greedy decoding does not notice."""
+    from pagedmodel import LLM, SamplingParams
+
+    prompts = [[1] + [(5 * i + j) % 400 + 10 for j in range(3 + 9 * i)] for i in range(12)]   # 12 rows: packed path
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for mode in ("packed", "off"):
+        monkeypatch.setenv(cpu_linear.LINEAR_ENV, mode)
+        llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=256)
+        model = llm.engine.runner.model
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert len(packed) == (0 if mode == "off" else 2 * 2 * 2 + 1)   # qkv, o, gate_up, down per layer + head
+        assert (model.logits_head is not None) is (mode == "packed")
+        runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert runs["packed"] == runs["off"]
