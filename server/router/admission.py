@@ -10,6 +10,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 Clock = Callable[[], float]
 
@@ -26,6 +27,16 @@ def retry_after_seconds(delay: float) -> int:
     """Retry-After carries whole seconds; round up so a client retrying on time is admitted, never below 1."""
     return max(1, math.ceil(delay - 1e-9))
 
+
+
+def evict_one(entries: OrderedDict, is_idle: Callable[[Any], bool]) -> None:
+    """Drop one entry of an LRU-ordered map of per-client state: the least recently used idle one, since a
+    bucket that is not full still remembers a debt; if none is idle, the oldest (memory must stay bounded)."""
+    for key, value in entries.items():
+        if is_idle(value):
+            del entries[key]
+            return
+    entries.popitem(last=False)
 
 class TokenBucket:
     """`burst` tokens at most, refilled at `rate` per second; each admitted request takes one token."""
@@ -129,13 +140,7 @@ class RateLimiter:
         return bucket
 
     def _evict(self) -> None:
-        # Least recently used first; a bucket that is not full still remembers a debt, so keep it
-        # unless every tracked client is throttled (then the oldest goes: memory must stay bounded).
-        for key, bucket in list(self._clients.items()):
-            if bucket.idle_full():
-                del self._clients[key]
-                return
-        self._clients.popitem(last=False)
+        evict_one(self._clients, TokenBucket.idle_full)
 
     @property
     def tracked_clients(self) -> int:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .admission import Clock, bearer_token, retry_after_seconds
+from .admission import Clock, bearer_token, evict_one, retry_after_seconds
 
 ANONYMOUS = "anonymous"
 CHARS_PER_TOKEN = 4          # English BPE text averages about 4 characters a token (OpenAI's rule of thumb)
@@ -228,11 +228,7 @@ class TenantLimiter:
         return st
 
     def _evict(self) -> None:
-        for name, st in self._tenants.items():
-            if all(b is None or b.full() for b in (st.requests, st.tokens)):
-                del self._tenants[name]
-                return
-        self._tenants.popitem(last=False)
+        evict_one(self._tenants, lambda st: all(b is None or b.full() for b in (st.requests, st.tokens)))
 
     @property
     def tracked_tenants(self) -> int:
