@@ -24,6 +24,7 @@ from .desired_state import config_hash
 ANNOTATION_APPLIED = "pagedmodel.io/applied-hash"
 FIELD_MANAGER = "pagedmodel-operator"
 APPLY_PATCH = "application/apply-patch+yaml"
+MERGE_PATCH = "application/merge-patch+json"
 
 # kind -> (API prefix, plural) of every child kind the operator manages (and nothing else: see the chart's RBAC).
 PATHS: dict[str, tuple[str, str]] = {
@@ -103,6 +104,11 @@ class Kube:
                     str(ref.get("apiVersion", "")).split("/")[0] == names.GROUP:
                 return (hpa.get("metadata") or {}).get("name")
         return None
+
+    def patch_status(self, namespace: str, name: str, fields: dict[str, Any]) -> None:
+        """Merge `fields` into the PagedModel's status now, ahead of the handler's own status write."""
+        path = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{quote(namespace)}/{names.PLURAL}/{quote(name)}/status"
+        self._call("PATCH", path, {"status": fields}, content_type=MERGE_PATCH)
 
     def apply(self, manifest: dict[str, Any]) -> Applied:
         meta = manifest["metadata"]

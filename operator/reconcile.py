@@ -197,6 +197,8 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
     observed = replace(observed, tuned=scaling.tuned, engine_replicas=(
         scaling.desired_replicas if scaling.desired_replicas is not None else observed.engine_replicas))
     events = [Event(*e) for e in scaling.events]
+    if scaling.desired_replicas is not None and scaling.desired_replicas != current:
+        _record_scale(kube, meta, scaling)
 
     engine = effective_engine(spec, observed)
     _apply(kube, pm, observed, engine, events)
@@ -210,6 +212,16 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
         kind = "Warning" if status["phase"] in ("Degraded", "Failed") else "Normal"
         events.append(Event(kind, status["phase"], status["message"]))
     return Outcome(status, events, annotations, report=pass_report(spec, status, scaling, result, current))
+
+
+def _record_scale(kube: Kube, meta: dict[str, Any], scaling: ScalingOutcome) -> None:
+    """Write the autoscaler's decision to status before the Deployment is resized. An operator killed between
+    the two then restarts from the decision (desiredReplicas, lastScale, the cooldown in status.autoscaler) and
+    finishes it; the other order would leave the Deployment resized while status still holds the old count,
+    and the restart's first pass (no scrape) would resize it back: a flap, then a second scale-up event."""
+    fields = {"desiredReplicas": scaling.desired_replicas}
+    fields.update({k: v for k, v in scaling.status.items() if k in ("lastScale", "scaleHistory", "autoscaler")})
+    kube.patch_status(meta["namespace"], meta["name"], fields)
 
 
 def _rolling_out(deployment: dict[str, Any] | None) -> bool:

@@ -22,6 +22,7 @@ class FakeKube(Kube):
         self.writes: list[tuple[str, str]] = []
         self.rv = 0
         self.existing = existing or set()
+        self.status_patches: list[dict[str, Any]] = []     # merge patches to the PagedModel's status
 
     def _call(self, method: str, path: str, body: Any = None, query: Any = None,
               content_type: str = "application/json") -> Any:
@@ -33,6 +34,10 @@ class FakeKube(Kube):
             return copy.deepcopy(obj)
         self.rv += 1
         body = copy.deepcopy(body)
+        if path.endswith("/status"):
+            assert method == "PATCH" and content_type == "application/merge-patch+json"
+            self.status_patches.append(body["status"])
+            return body
         assert method == "PATCH" and ("fieldManager", "pagedmodel-operator") in query and ("force", "true") in query
         assert "resourceVersion" not in body["metadata"]      # apply never races on a stale version
         if path in self.store and "status" in self.store[path]:
@@ -129,3 +134,13 @@ def test_child_created_by_someone_else_is_taken_over_by_apply():
     assert applied.action == "updated" and kube.writes == [("PATCH", path)]
     assert kube.store[path]["metadata"]["annotations"][ANNOTATION_APPLIED]
     assert kube.apply(manifest).action == "unchanged"
+
+
+def test_the_engine_container_reports_its_log_tail_when_it_fails():
+    """Guards: the engine's startup error reaches `kubectl describe pm`: the container's termination message
+    falls back to its log's tail (where `pagedmodel serve` prints its one line), which status.py reads."""
+    kube = FakeKube()
+    reconcile(kube, make_pm(CPU), router_enabled=False, now="2026-01-01T00:00:00Z")
+    dep = next(o for p, o in kube.store.items() if p.endswith("/deployments/smollm2-engine"))
+    [container] = dep["spec"]["template"]["spec"]["containers"]
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"

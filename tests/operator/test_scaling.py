@@ -36,6 +36,10 @@ def metrics_text(kv: float, waiting: int, running: int, preemptions: int = 0, fi
         f"vllm:request_generation_tokens_sum{lbl} {generation}", ""])
 
 
+class OperatorKilled(Exception):
+    pass
+
+
 class ClusterSim:
     """A FakeKube whose engine Deployment's pods all turn ready at once, each answering `load()`."""
 
@@ -58,6 +62,9 @@ class ClusterSim:
                       content_type: str = "application/json") -> Any:
                 if method == "GET" and path.endswith("/horizontalpodautoscalers"):
                     return {"items": sim.hpas}
+                if sim.killed_before_resize and method == "PATCH" and path == ENGINE_DEPLOYMENT and \
+                        body["spec"]["replicas"] != self.store[path]["spec"]["replicas"]:
+                    raise OperatorKilled       # SIGKILL between the pass's status write and the resize
                 out = super()._call(method, path, body, query, content_type)
                 if method == "PATCH" and path == ENGINE_DEPLOYMENT:    # the Deployment controller, instantly
                     r = out["spec"]["replicas"]
@@ -66,6 +73,7 @@ class ClusterSim:
                     self.store[path]["metadata"]["generation"] = 1
                 return out
 
+        self.killed_before_resize = False
         self.kube = Kube()
         self.memory = Memory()
         self.pm = make_pm(spec)
@@ -160,6 +168,39 @@ def test_an_operator_restart_does_not_scale_twice():
     assert sim.replicas() == scaled and [r for r, _ in sim.events].count("ScaledUp") == ups
     # and the scale-down stabilization it had begun still applies (30 s of low load before it may shrink)
     assert "ScaledDown" not in [r for r, _ in sim.events]
+
+
+def test_an_operator_killed_between_deciding_and_resizing_finishes_the_scale_up_once():
+    """Guards: an operator SIGKILLed mid scale-up (decision made, Deployment not yet resized) restarts from the
+    decision it wrote to status first: the restart's first pass (no scrape) resizes the Deployment to it, no
+    second ScaledUp, and the cooldown (status.autoscaler.state.lastScaleTime) is the one decided before the kill."""
+    sim = ClusterSim(AUTO)
+    sim.load = lambda url: metrics_text(0.95, 6, 4)
+    sim.killed_before_resize = True
+    t = T0
+    while True:
+        try:
+            sim.step(t)
+        except OperatorKilled:
+            break
+        t += 10
+        assert t < T0 + 100, "the load never asked for a scale-up"
+    assert sim.replicas() == 1 and len(sim.kube.status_patches) == 1
+    written = sim.kube.status_patches[0]
+    assert written["desiredReplicas"] >= 2 and written["lastScale"]["to"] == written["desiredReplicas"]
+    # What the API server holds after the kill: the last full status plus the decision written ahead.
+    sim.pm["status"] = {**sim.pm["status"], **written}
+    sim.killed_before_resize, sim.memory = False, Memory()
+    st = sim.step(t + 1, scrape=False)                           # kopf's resume handler on the new process
+    assert sim.replicas() == written["desiredReplicas"] == st["desiredReplicas"]
+    sim.load = lambda url: metrics_text(0.5, 0, 3)               # the engines now carry the load
+    for i in range(1, 4):
+        st = sim.step(t + 10 * i)
+    # Not decided twice: no scaling event after the restart (the killed pass's ScaledUp died with it; the
+    # decision's record is status.lastScale and scaleHistory).
+    assert not {"ScaledUp", "ScaledDown"} & {r for r, _ in sim.events}
+    assert st["scaleHistory"] == [written["lastScale"]] and st["lastScale"] == written["lastScale"]
+    assert st["autoscaler"]["state"]["lastScaleTime"] == written["autoscaler"]["state"]["lastScaleTime"]
 
 
 def test_an_hpa_on_the_pagedmodel_turns_the_autoscaler_off():
