@@ -215,6 +215,9 @@ def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
         "livenessProbe": {"httpGet": http, **LIVENESS},
         "securityContext": _container_security(),
         "volumeMounts": mounts,
+        # A failed start's one-line reason (the log's tail) lands in lastState.terminated.message: status.py
+        # carries it to the PagedModel's status and events, so `kubectl describe pm` says why.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = _resources(spec["resources"])
     if resources:

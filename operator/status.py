@@ -2,7 +2,8 @@
 
 `compute_status` tells the story `kubectl get/describe pm` shows: how many engines are ready
 of how many asked for, whether a rollout is under way, and why not Ready (a crash-looping or
-unschedulable pod is named with its reason). lastTransitionTime moves only when a condition's
+unschedulable pod is named with its reason, a crashing one with the last line it printed before exiting).
+lastTransitionTime moves only when a condition's
 status flips, as Kubernetes conventions require.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 BAD_WAITING = frozenset({"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
                          "CreateContainerError", "CreateContainerConfigError", "RunContainerError"})
 CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded")
+MAX_TERMINATION_LINE = 400     # status.message stays readable in `kubectl get -o wide` and describe
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,21 @@ class PodProblem:
 
     def __str__(self) -> str:
         return f"pod {self.pod}: {self.reason}" + (f" ({self.message})" if self.message else "")
+
+
+def termination_line(container_status: dict[str, Any]) -> str:
+    """The last line the container said before it exited with an error (its termination message: with the
+    engine's `terminationMessagePolicy: FallbackToLogsOnError`, the tail of its log, whose last line is the
+    one `pagedmodel serve` prints for a startup failure); "" when it has said nothing or exited cleanly."""
+    for state in (container_status.get("state") or {}, container_status.get("lastState") or {}):
+        terminated = state.get("terminated") or {}
+        if terminated.get("exitCode") == 0:
+            continue
+        lines = [line.strip() for line in str(terminated.get("message") or "").splitlines() if line.strip()]
+        if lines:
+            line = lines[-1]
+            return line if len(line) <= MAX_TERMINATION_LINE else line[:MAX_TERMINATION_LINE - 3] + "..."
+    return ""
 
 
 def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
@@ -47,15 +64,17 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
             continue
         for cs in st.get("containerStatuses") or []:
             waiting = (cs.get("state") or {}).get("waiting") or {}
+            last = ((cs.get("lastState") or {}).get("terminated") or {})
+            said = termination_line(cs)
             if waiting.get("reason") in BAD_WAITING:
-                last = ((cs.get("lastState") or {}).get("terminated") or {})
-                detail = waiting.get("message") or (f"last exit code {last['exitCode']}" if "exitCode" in last else "")
+                # The engine's own last words beat the kubelet's back-off note, which changes every restart.
+                detail = (f"exit code {last.get('exitCode', '?')}: {said}" if said else waiting.get("message")
+                          or (f"last exit code {last['exitCode']}" if "exitCode" in last else ""))
                 problems.append(PodProblem(name, waiting["reason"], detail, True))
                 break
             if cs.get("restartCount", 0) > 0 and not cs.get("ready"):
-                last = ((cs.get("lastState") or {}).get("terminated") or {})
-                problems.append(PodProblem(name, "Restarting",
-                                           f"{cs['restartCount']} restarts, last exit code {last.get('exitCode', '?')}",
+                detail = f"{cs['restartCount']} restarts, last exit code {last.get('exitCode', '?')}"
+                problems.append(PodProblem(name, "Restarting", detail + (f": {said}" if said else ""),
                                            cs["restartCount"] >= 3))
                 break
     problems.sort(key=lambda p: (not p.fatal, p.pod))

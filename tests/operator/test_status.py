@@ -124,3 +124,46 @@ def test_pod_problems_ignore_ready_and_terminating_pods_and_rank_fatal_first():
     problems = pod_problems([pod("ok"), unschedulable("a"), crashing("b"), terminating])
     assert [(p.pod, p.reason, p.fatal) for p in problems] == [("b", "CrashLoopBackOff", True),
                                                                ("a", "Unschedulable", False)]
+
+
+def failed_start(name: str, message: str, restarts: int = 1, waiting: str = "CrashLoopBackOff") -> dict[str, Any]:
+    return pod(name, ready=False, containerStatuses=[{
+        "name": "engine", "ready": False, "restartCount": restarts,
+        "state": {"waiting": {"reason": waiting, "message": f"back-off {10 * restarts}s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": message}}}])
+
+
+LOG_TAIL = ("2026-01-01 00:00:01 INFO pagedmodel: loading\n"
+            "pagedmodel serve: error: cannot load the model: /models/x/model.safetensors is corrupt\n\n")
+
+
+def test_a_crashing_engine_is_explained_by_the_last_line_it_printed():
+    """Guards: the engine's one-line startup error (its termination message, the tail of its log under
+    FallbackToLogsOnError) is what status.message, the Degraded condition and so `kubectl describe pm` show,
+    not the kubelet's back-off note, which changes every restart."""
+    s = status_of(dep=deployment(ready=0), pods=[failed_start("a", LOG_TAIL)])
+    assert s["phase"] == "Degraded"
+    want = ("pod a: CrashLoopBackOff (exit code 2: pagedmodel serve: error: cannot load the model: "
+            "/models/x/model.safetensors is corrupt)")
+    assert s["message"] == want and cond(s, "Degraded")["message"] == want
+    # The next restarts say the same: one clause for many pods, and a message that does not flap.
+    again = status_of(desired=2, dep=deployment(replicas=2, ready=0, spec_replicas=2),
+                      pods=[failed_start("a", LOG_TAIL, restarts=3), failed_start("b", LOG_TAIL, restarts=5)])
+    assert again["message"] == want.replace("pod a", "pods a, b")
+
+
+def test_restarting_engine_names_its_last_words_and_long_ones_are_cut():
+    s = status_of(dep=deployment(ready=0), pods=[failed_start("a", "x" * 5000, waiting="ContainerCreating")])
+    assert s["phase"] == "Progressing"
+    assert "pod a: Restarting (1 restarts, last exit code 2: " in s["message"]
+    assert len(s["message"]) < 600 and s["message"].endswith("...)")
+
+
+def test_without_a_termination_message_the_exit_code_or_back_off_is_said():
+    quiet = failed_start("a", "")
+    s = status_of(dep=deployment(ready=0), pods=[quiet])
+    assert s["message"] == "pod a: CrashLoopBackOff (back-off 10s restarting failed container)"
+    clean = failed_start("b", "bye", waiting="ContainerCreating")
+    clean["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] = 0   # a clean exit says nothing
+    assert status_of(dep=deployment(ready=0), pods=[clean])["message"].endswith(
+        "pod b: Restarting (1 restarts, last exit code 0)")
