@@ -11,6 +11,7 @@ from array import array
 
 from .allocation_timer import AllocationTimer
 from .block_pool import Block, BlockPool
+from .kv_events import KVEventLog
 from .sequence import Sequence
 
 
@@ -27,7 +28,9 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  watermark: float = 0.01, num_cpu_blocks: int = 0):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        # Only the device pool's cache is advertised: swap space never serves a prefix hit.
+        self.kv_events = KVEventLog(block_size) if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self.kv_events)
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None  # swap space
         self.cpu_tables: dict[int, list[Block]] = {}   # tables of swapped-out sequences
         self.enable_prefix_caching = enable_prefix_caching

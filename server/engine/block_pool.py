@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .kv_events import KVEventLog
+
 
 class NoFreeBlocksError(RuntimeError):
     pass
@@ -28,7 +30,7 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -37,6 +39,7 @@ class BlockPool:
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, Block] = {}
         self.num_evictions = 0
+        self.events = events   # told of every commit and eviction (a router's view of this cache)
 
     @property
     def num_free(self) -> int:
@@ -89,10 +92,26 @@ class BlockPool:
             return
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash)
 
     def _uncache(self, block: Block) -> None:
         del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
         block.block_hash = block.parent_hash = block.token_ids = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only while no block is in use (a running sequence's blocks would
+        otherwise lose their hashes mid-commit). False, changing nothing, if some block is referenced."""
+        if any(b.ref_cnt for b in self.blocks):
+            return False
+        for block in self._cached.values():
+            block.block_hash = block.parent_hash = block.token_ids = None
+        self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     def cached_blocks(self) -> dict[bytes, Block]:
         return dict(self._cached)

@@ -56,6 +56,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device,
                                   max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
                                   enforce_eager=args.enforce_eager)
+        self.kv_events = self.scheduler.block_manager.kv_events   # None without prefix caching
         self.sampler = Sampler(self.device, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -106,12 +107,26 @@ class LLMEngine:
         self.scheduler.abort(group)
         self.sampler.drop(group)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache (vLLM's reset_prefix_cache); False while requests hold blocks."""
+        done = self.scheduler.block_manager.pool.reset_prefix_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.publish()
+        return done
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the model, sample, apply, and report what changed."""
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.publish()   # the step's commits and evictions, as one batch
+
+    def _step(self) -> list[RequestOutput]:
         failed = self._admit_compiled() if self._compiling else []
         sched = self.scheduler.schedule(time.time())
         if sched.is_empty:
