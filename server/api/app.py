@@ -19,6 +19,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .drain_cutoff import DrainCutoffMiddleware
 from .errors import APIError, install_error_handlers
+from .kv_events import stream_kv_events
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .protocol import ModelCard, ModelList
 from .serving import OpenAIServing, ServerConfig
@@ -107,6 +108,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     for path, handler in (("/v1/completions", create_completion), ("/v1/chat/completions", create_chat_completion),
                           ("/tokenize", tokenize), ("/detokenize", detokenize)):
         app.post(path)(keyed(handler))
+    # The prefix-cache change stream a router subscribes to (kv_events.py); keyed like the model routes.
+    app.get("/v1/kv_events")(keyed(stream_kv_events))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
