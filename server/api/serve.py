@@ -62,6 +62,13 @@ class _GracefulServer:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _one_line(exc: BaseException, limit: int = 500) -> str:
+    """The error as one line: the pod's termination message (and so `kubectl describe pm`) shows the log's
+    last line, and a multi-line message would leave only its tail there."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -87,8 +94,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = LLMEngine(engine_args)
     except (ConfigError, ModelNotAvailableError, OSError, ValueError) as exc:
-        print(f"pagedmodel serve: error: cannot load the model: {exc}", file=sys.stderr)
+        logger.debug("engine start failed", exc_info=True)     # the traceback, with --log-level debug
+        print(f"pagedmodel serve: error: cannot load the model: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Exception as exc:    # anything else from a checkpoint or a device: still one line, last in the log
+        logger.debug("engine start failed", exc_info=True)
+        print(f"pagedmodel serve: error: cannot start the engine: {type(exc).__name__}: {_one_line(exc)} "
+              "(--log-level debug shows the traceback)", file=sys.stderr)
+        return 1
     config = ServerConfig(served_model_name=engine.model_name,
                           api_key=args.api_key or os.environ.get("PAGEDMODEL_API_KEY") or None,
                           log_requests=args.log_requests, max_queue_len=engine_args.max_queue_len,

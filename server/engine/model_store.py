@@ -157,6 +157,10 @@ def validate_model_dir(path: Path) -> Path:
     if not path.is_dir():
         hint = "; GGUF files are not served directly, only the built-in default is converted" if path.suffix == ".gguf" else ""
         raise ModelNotAvailableError(f"model path {path} is a file; pass the directory holding config.json{hint}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        # Said first: an unreadable directory would otherwise look as if it had no config.json.
+        raise ModelNotAvailableError(f"model directory {path} is not readable by this process (uid {os.getuid()}): "
+                                     "check its permissions or the volume's fsGroup")
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelNotAvailableError(f"model directory {path} has no config.json; it must be a Hugging Face model directory")
@@ -178,6 +182,8 @@ def validate_model_dir(path: Path) -> Path:
         other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
         found = f" (found {', '.join(other[:3])}: convert them to safetensors)" if other else ""
         raise ModelNotAvailableError(f"model directory {path} has no *.safetensors weights{found}")
+    for weights in sorted(path.glob("*.safetensors")):
+        _check_safetensors(weights)
     index_path = path / "model.safetensors.index.json"
     if index_path.is_file():
         try:
@@ -190,6 +196,39 @@ def validate_model_dir(path: Path) -> Path:
                 f"model directory {path} is missing {len(missing)} weight shard(s) listed in {index_path.name}, e.g. {missing[0]}"
             )
     return path
+
+
+SAFETENSORS_MAX_HEADER = 100 << 20     # the format's own limit on the JSON header
+
+
+def _check_safetensors(path: Path) -> None:
+    """Raise unless `path` reads as a whole safetensors file: its header parses and its tensors' data ends
+    exactly at the end of the file. Reads only the header, so a corrupt or truncated download is named
+    at startup, before any memory is allocated, instead of failing deep inside the weight loader."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= min(SAFETENSORS_MAX_HEADER, size - 8):
+                raise ValueError(f"header length {length} does not fit a {size}-byte file")
+            header = json.loads(f.read(length))
+    except OSError as exc:
+        raise ModelNotAvailableError(f"cannot read {path}: {exc.strerror or _one_line(exc)}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelNotAvailableError(f"{path} is not a valid safetensors file ({_one_line(exc, 120)}); "
+                                     "it is corrupt or not safetensors: download it again") from None
+    if not isinstance(header, dict):
+        raise ModelNotAvailableError(f"{path} is not a valid safetensors file (its header is not a JSON object)")
+    try:
+        ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise ModelNotAvailableError(f"{path} is not a valid safetensors file (a tensor lacks data_offsets)") from None
+    data = size - 8 - length
+    if max(ends, default=0) != data:
+        raise ModelNotAvailableError(
+            f"{path} is truncated or corrupt: its header describes {max(ends, default=0)} bytes of tensor data, "
+            f"the file holds {data}; download it again")
 
 
 def _fetch_from_hub(repo_id: str) -> Path:
