@@ -372,7 +372,8 @@ def _model_dir(root: Path, architectures: object = ("LlamaForCausalLM",), weight
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps({"architectures": list(architectures) if architectures else architectures}))
     if weights:
-        (root / weights).write_bytes(b"\0")
+        # the smallest well-formed safetensors file (an empty header): resolving reads the header
+        (root / weights).write_bytes(b"\2\0\0\0\0\0\0\0{}" if weights.endswith(".safetensors") else b"\0")
     return root
 
 
