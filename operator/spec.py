@@ -171,7 +171,7 @@ FIELD_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("tuning", "blockSizes"): ((lambda v: isinstance(v, list) and bool(v) and all(
         is_int(s) and s in BLOCK_SIZES for s in v)), f"must be a non-empty list of {list(BLOCK_SIZES)}"),
     ("router", "replicas"): _int_in(0, 100),
-    ("router", "strategy"): _one_of("kv-aware", "least-load", "prefix", "round-robin"),
+    ("router", "strategy"): _one_of("kv-aware", "least-load", "prefix", "prefix-cache", "round-robin"),
     ("router", "maxQueueLength"): _int_in(0),
     ("router", "queueTimeoutSeconds"): _POSITIVE,
     ("service", "type"): _one_of("ClusterIP", "NodePort", "LoadBalancer"),

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,9 @@ from pagedmodel.server.api.errors import UNSERVED_HEADER, APIError
 from .admission import RateLimiter
 from .discovery import PodDiscovery, current_namespace
 from .metrics import RouterMetrics
+from .prefix_cache import PrefixCacheRouting
+from .prefix_index import PromptChains
+from .prompt_tokens import load_tokenizer
 from .queue import AdmissionQueue, QueueFull, QueueTimeout, Ticket
 from .strategies import STRATEGIES, Router
 from .tenancy import Admission, Tenancy
@@ -76,6 +80,8 @@ class RouterConfig:
     tenant_tokens_per_minute: float | None = None
     tenant_overrides: dict[str, Limits] = field(default_factory=dict)
     default_max_tokens: int = 256      # completion tokens reserved for a request that names no max_tokens
+    tokenizer: str | None = None       # the model (dir or name) whose tokenizer prefix-cache routing uses
+    upstream_api_key: str | None = None   # for the router's own calls to engines (their KV-event streams)
 
 
 def _error(status: int, message: str, *, code: str | None = None, retry_after: int | None = None,
@@ -125,6 +131,7 @@ def _prompt_key(body: dict[str, Any]) -> str:
 @dataclass
 class _Pending:
     prompt: str
+    chains: PromptChains | None = None   # the prompt's block hashes (prefix-cache strategy only)
     upstream: Upstream | None = None
     admission: Admission | None = None
     exclude: set[str] = field(default_factory=set)
@@ -134,8 +141,13 @@ class RouterApp:
     """Owns the pool, limiter, queue and strategy; builds the aiohttp application."""
 
     def __init__(self, cfg: RouterConfig, *, clock: Callable[[], float] = time.monotonic,
-                 discovery: PodDiscovery | None = None) -> None:
+                 discovery: PodDiscovery | None = None, prefix_cache: PrefixCacheRouting | None = None) -> None:
         self.cfg = cfg
+        if prefix_cache is None and cfg.strategy == "prefix-cache":
+            # Without --tokenizer the engines' /tokenize renders prompts (prompt_tokens.py weighs both).
+            prefix_cache = PrefixCacheRouting(load_tokenizer(cfg.tokenizer) if cfg.tokenizer else None,
+                                              api_key=cfg.upstream_api_key)
+        self.prefix_cache = prefix_cache
         self.discovery = discovery
         self.clock = clock
         self.pool = UpstreamPool(cfg.upstreams, max_inflight=cfg.max_inflight_per_upstream,
@@ -179,6 +191,8 @@ class RouterApp:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
             auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
+        if self.prefix_cache is not None:
+            self.prefix_cache.start(self.session, self.pool.upstreams)
         self._background = asyncio.create_task(self._maintain())
         if self.discovery is not None:
             loop = asyncio.get_running_loop()
@@ -189,6 +203,8 @@ class RouterApp:
     def set_upstreams(self, urls: list[str]) -> None:
         """Replace the upstream set (discovery): new replicas take queued requests at once."""
         self.pool.set_urls(urls)
+        if self.prefix_cache is not None:
+            self.prefix_cache.sync(self.pool.upstreams)
         self._dispatch()
         self._update_gauges()
 
@@ -201,6 +217,8 @@ class RouterApp:
                 await self._background
             except asyncio.CancelledError:
                 pass
+        if self.prefix_cache is not None:
+            await self.prefix_cache.close()
         if self.session:
             await self.session.close()
 
@@ -211,6 +229,8 @@ class RouterApp:
             try:
                 await scrape_once(self.pool, self.session, timeout=max(1.0, self.cfg.scrape_interval * 2))
                 self.queue.expire()
+                if self.prefix_cache is not None:   # a drained upstream leaves the pool between changes
+                    self.prefix_cache.sync(self.pool.upstreams)
                 self._dispatch()
                 self._update_gauges()
             except asyncio.CancelledError:
@@ -236,9 +256,13 @@ class RouterApp:
 
     # admission
 
-    def _pick(self, prompt: str, exclude: set[str] = frozenset()) -> Upstream | None:  # type: ignore[assignment]
+    def _pick(self, prompt: str, exclude: set[str] = frozenset(),  # type: ignore[assignment]
+              chains: PromptChains | None = None) -> Upstream | None:
         candidates = [u for u in self.pool.available() if u.url not in exclude] or self.pool.available()
-        view = self.router.pick([u.view() for u in candidates], prompt)
+        views = [u.view() for u in candidates]
+        if self.prefix_cache is not None:
+            views = self.prefix_cache.annotate(views, chains)
+        view = self.router.pick(views, prompt)
         return self.pool.upstreams.get(view.url) if view is not None else None
 
     def _dispatch(self) -> None:
@@ -246,7 +270,7 @@ class RouterApp:
         self.queue.expire()
         while (ticket := self.queue.peek()) is not None:
             pending: _Pending = ticket.payload
-            up = self._pick(pending.prompt, pending.exclude)
+            up = self._pick(pending.prompt, pending.exclude, pending.chains)
             if up is None:
                 break
             self.pool.acquire(up)
@@ -256,16 +280,17 @@ class RouterApp:
                 self.tenancy.dispatched(pending.admission, queued=True)
         self.metrics.queue_length.set(len(self.queue))
 
-    async def _acquire(self, priority: int, prompt: str, exclude: set[str], adm: Admission | None) -> Upstream:
+    async def _acquire(self, priority: int, prompt: str, exclude: set[str], adm: Admission | None,
+                       chains: PromptChains | None = None) -> Upstream:
         """A slot on an upstream: at once when one is free and nobody waits, else through the queue."""
         if len(self.queue) == 0:
-            up = self._pick(prompt, exclude)
+            up = self._pick(prompt, exclude, chains)
             if up is not None:
                 self.pool.acquire(up)
                 if adm is not None:
                     self.tenancy.dispatched(adm, queued=False)
                 return up
-        pending = _Pending(prompt, exclude=exclude, admission=adm)
+        pending = _Pending(prompt, chains=chains, exclude=exclude, admission=adm)
         ticket: Ticket = self.queue.enqueue(priority, with_future=True, payload=pending,
                                             tenant=adm.tenant if adm else "", cost=adm.reserved if adm else 0)
         self.metrics.queue_length.set(len(self.queue))
@@ -324,7 +349,9 @@ class RouterApp:
         if isinstance(adm, TokenDecision):
             return self._count(self._tenant_refusal(adm))
         try:
-            return await self._forward(request, "POST", body, priority=priority, prompt=_prompt_key(payload), adm=adm)
+            chains = await self.prefix_cache.chains(request.path, payload) if self.prefix_cache is not None else None
+            return await self._forward(request, "POST", body, priority=priority, prompt=_prompt_key(payload), adm=adm,
+                                       chains=chains)
         finally:
             self.tenancy.finish(adm)
 
@@ -339,14 +366,15 @@ class RouterApp:
         return resp
 
     async def _forward(self, request: web.Request, method: str, body: bytes, *, priority: int,
-                       prompt: str, adm: Admission | None) -> web.StreamResponse:
+                       prompt: str, adm: Admission | None,
+                       chains: PromptChains | None = None) -> web.StreamResponse:
         assert self.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         tried: set[str] = set()
         unserved: str | None = None   # the last attempt's refusal, when an engine refused it unstarted
         for attempt in range(self.cfg.max_attempts):
             try:
-                up = await self._acquire(priority, prompt, tried, adm)
+                up = await self._acquire(priority, prompt, tried, adm, chains)
             except QueueFull as exc:
                 return self._count(_error(503, "router queue is full", code="queue_full",
                                           retry_after=exc.retry_after))
@@ -458,6 +486,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--strategy", choices=STRATEGIES, default="kv-aware", help="how an upstream is chosen")
+    parser.add_argument("--tokenizer", default=None, metavar="MODEL",
+                        help="model directory or name whose tokenizer --strategy prefix-cache hashes prompts with "
+                             "(the engines' --model); without it the engines' /tokenize is asked")
+    parser.add_argument("--upstream-api-key", default=os.environ.get("PAGEDMODEL_UPSTREAM_API_KEY"), metavar="KEY",
+                        help="API key the router sends to engines for its own calls (their /v1/kv_events); "
+                             "default $PAGEDMODEL_UPSTREAM_API_KEY")
     parser.add_argument("--rate-limit", type=_positive_float, default=None, metavar="RPS",
                         help="global requests per second (token bucket); off when not given")
     parser.add_argument("--burst", type=_positive_int, default=None,
@@ -527,7 +561,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         scrape_interval=args.scrape_interval, tenant_header=args.tenant_header,
                         tenant_requests_per_minute=args.tenant_requests_per_minute,
                         tenant_tokens_per_minute=args.tenant_tokens_per_minute,
-                        tenant_overrides=dict(args.tenant_limit), default_max_tokens=args.default_max_tokens)
+                        tenant_overrides=dict(args.tenant_limit), default_max_tokens=args.default_max_tokens,
+                        tokenizer=args.tokenizer, upstream_api_key=args.upstream_api_key)
 
 
 async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awaitable[None] | None] | None = None,

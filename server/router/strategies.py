@@ -13,6 +13,11 @@ their in-flight cap) and returns one of them, or None when the list is empty.
   on a ring of virtual nodes, so adding or removing a replica remaps only its share), unless
   that upstream's in-flight load exceeds `load_factor` times the mean ("bounded load"), in
   which case the next upstream clockwise on the ring takes it.
+- `prefix-cache`: exact prefix-cache awareness. The router knows from the engines' own KV events
+  which blocks each one holds (prefix_index.py) and how many of the prompt's leading tokens each
+  would serve from cache; the score is `kv_score` minus `PREFIX_WEIGHT` times that cached share of
+  the prompt (llm-d's weighted scorers: prefix and load). An upstream above the same bounded-load cap
+  as `prefix` competes on load alone, so a hot prefix spills instead of piling up.
 """
 from __future__ import annotations
 
@@ -22,7 +27,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-STRATEGIES = ("kv-aware", "least-load", "prefix", "round-robin")
+STRATEGIES = ("kv-aware", "least-load", "prefix", "prefix-cache", "round-robin")
+# A fully cached prompt is worth one full replica of load (kv_score's unit): prefill dominates a
+# long prompt's first-token time, so a cached replica wins unless the other is nearly idle and it is not.
+PREFIX_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,8 @@ class UpstreamView:
     kv_usage: float | None = None        # scraped vllm:kv_cache_usage_perc, 0..1
     waiting: float | None = None         # scraped vllm:num_requests_waiting
     running: float | None = None         # scraped vllm:num_requests_running
+    cached_tokens: int = 0               # prompt tokens its prefix cache holds (prefix-cache strategy)
+    prompt_tokens: int = 0               # the prompt's length in tokens, when the router tokenized it
 
 
 def kv_score(u: UpstreamView) -> float:
@@ -63,6 +73,27 @@ def pick_least_load(ups: Sequence[UpstreamView]) -> UpstreamView | None:
     if not ups:
         return None
     return min(ups, key=lambda u: (u.inflight, u.kv_usage or 0.0, u.url))
+
+
+def bounded_load(ups: Sequence[UpstreamView], load_factor: float = 1.25) -> int:
+    """Most in-flight requests an upstream may hold before affinity stops counting for it."""
+    total = sum(u.inflight for u in ups) + 1   # counting the request being placed
+    return max(1, math.ceil(load_factor * total / len(ups)))
+
+
+def prefix_cache_score(u: UpstreamView, cap: int | None = None) -> float:
+    """Lower is better: load (kv_score) minus the weighted share of the prompt served from cache."""
+    share = u.cached_tokens / u.prompt_tokens if u.prompt_tokens > 0 else 0.0
+    if cap is not None and u.inflight >= cap:
+        share = 0.0
+    return kv_score(u) - PREFIX_WEIGHT * min(max(share, 0.0), 1.0)
+
+
+def pick_prefix_cache(ups: Sequence[UpstreamView], load_factor: float = 1.25) -> UpstreamView | None:
+    if not ups:
+        return None
+    cap = bounded_load(ups, load_factor)
+    return min(ups, key=lambda u: (prefix_cache_score(u, cap), u.inflight, u.url))
 
 
 class RoundRobin:
@@ -108,8 +139,7 @@ class PrefixAffinity:
 
     def bound(self, ups: Sequence[UpstreamView]) -> int:
         """Most in-flight requests an upstream may hold before the prefix spills to the next one."""
-        total = sum(u.inflight for u in ups) + 1   # counting the request being placed
-        return max(1, math.ceil(self.load_factor * total / len(ups)))
+        return bounded_load(ups, self.load_factor)
 
     def pick(self, ups: Sequence[UpstreamView], prompt: str) -> UpstreamView | None:
         if not ups:
@@ -148,4 +178,6 @@ class Router:
             return pick_least_load(ups)
         if self.strategy == "round-robin":
             return self._rr.pick(ups)
+        if self.strategy == "prefix-cache":
+            return pick_prefix_cache(ups)
         return self._prefix.pick(ups, prompt)

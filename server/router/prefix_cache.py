@@ -1,0 +1,63 @@
+"""The `prefix-cache` strategy's moving parts, owned by the router app: the index of what each engine
+caches (prefix_index.py), one KV-event subscription per upstream (kv_subscriber.py) and the local
+tokenizer (prompt_tokens.py), or, without one, the engines' own /tokenize. The strategy itself stays a pure function (strategies.py): this only
+annotates each candidate's view with how many of the prompt's tokens it holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import aiohttp
+
+from .kv_subscriber import KVSubscriptions
+from .prefix_index import DEFAULT_MAX_BLOCKS, PrefixIndex, PromptChains
+from .prompt_tokens import PromptTokenizer, RemoteTokenizer
+from .strategies import UpstreamView
+
+
+class PrefixCacheRouting:
+    def __init__(self, tokenizer: Any | None, *, api_key: str | None = None,
+                 max_blocks_per_upstream: int = DEFAULT_MAX_BLOCKS) -> None:
+        self.index = PrefixIndex(max_blocks_per_upstream)
+        self.tokenizer = PromptTokenizer(tokenizer) if tokenizer is not None else None
+        self.remote: RemoteTokenizer | None = None
+        self.api_key = api_key
+        self.subscriptions: KVSubscriptions | None = None
+        self._turn = 0
+
+    def start(self, session: aiohttp.ClientSession, urls: Iterable[str]) -> None:
+        self.subscriptions = KVSubscriptions(self.index, session, api_key=self.api_key)
+        self.subscriptions.sync(urls)
+        if self.tokenizer is None:
+            self.remote = RemoteTokenizer(session, self.api_key)
+
+    def sync(self, urls: Iterable[str]) -> None:
+        """Follow exactly the current upstreams (discovery added or removed some)."""
+        if self.subscriptions is not None:
+            self.subscriptions.sync(urls)
+
+    async def close(self) -> None:
+        if self.subscriptions is not None:
+            await self.subscriptions.close()
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+
+    async def chains(self, path: str, body: dict[str, Any]) -> PromptChains | None:
+        if self.tokenizer is not None:
+            return await self.tokenizer.chains(path, body)
+        # Rotate over the engines whose stream is live (they all serve the same model): one slow
+        # engine does not tax every request.
+        live = sorted(url for url, up in self.index.upstreams.items() if up.usable)
+        if self.remote is None or not live:
+            return None
+        self._turn += 1
+        return await self.remote.chains(live[self._turn % len(live)], path, body)
+
+    def annotate(self, views: Sequence[UpstreamView], chains: PromptChains | None) -> list[UpstreamView]:
+        if chains is None:
+            return list(views)
+        n = len(chains.token_ids)
+        return [dataclasses.replace(v, cached_tokens=self.index.cached_tokens(v.url, chains), prompt_tokens=n)
+                for v in views]

@@ -1,0 +1,137 @@
+"""The router's prefix-cache index (gap -> resync, bound, block-size change, removal), the prompt's hash
+chain as the engine computes it, and the `prefix-cache` strategy's choice."""
+from __future__ import annotations
+
+import pytest
+
+from pagedmodel.server.engine.block_manager import block_hash
+from pagedmodel.server.engine.kv_events import HASH_SCHEME, KVEventLog
+from pagedmodel.server.router.prefix_index import PrefixIndex, PromptChains, UpstreamBlocks, hash_chain
+from pagedmodel.server.router.strategies import STRATEGIES, Router, UpstreamView, pick_prefix_cache
+
+TOKENS = list(range(1000, 1041))    # 41 tokens: ten full 4-token blocks before the last one
+
+
+def engine_log(tokens: list[int], block_size: int, salt: bytes = b"") -> KVEventLog:
+    """A real engine-side log holding `tokens`' blocks: the router must read its messages."""
+    log = KVEventLog(block_size)
+    parent = None
+    for i in range(len(tokens) // block_size):
+        h = block_hash(parent, tuple(tokens[i * block_size:(i + 1) * block_size]), salt)
+        log.stored(h, parent)
+        parent = h
+    log.publish()
+    return log
+
+
+def test_chain_matches_what_the_engine_stores_and_stops_before_the_last_token():
+    log = engine_log(TOKENS, 4)
+    chain = hash_chain(TOKENS, 4)
+    assert len(chain) == 10 and len(hash_chain(TOKENS[:40], 4)) == 9   # the last token's block never counts
+    up = UpstreamBlocks()
+    assert up.apply(log.snapshot())
+    assert up.matched_blocks(chain) == 10
+    assert up.matched_blocks(hash_chain(TOKENS[:8] + [7] * 20, 4)) == 2        # diverges after two blocks
+    assert up.matched_blocks(hash_chain(TOKENS, 4, salt=b"tenant")) == 0       # salted chain: no match
+
+
+def test_batches_apply_in_order_and_a_gap_forces_a_resync():
+    log = KVEventLog(4)
+    up = UpstreamBlocks()
+    assert up.apply(log.snapshot()) and up.usable
+    h = [bytes([i]) * 32 for i in range(4)]
+    log.stored(h[0], None)
+    b1 = log.publish().to_json()
+    log.stored(h[1], h[0])
+    b2 = log.publish().to_json()
+    log.removed(h[0])
+    b3 = log.publish().to_json()
+    assert up.apply(b1) and up.matched_blocks([h[0]]) == 1
+    assert not up.apply(b3)                       # b2 was lost
+    assert not up.synced and up.matched_blocks([h[1]]) == 0 and not up.hashes   # claims nothing until resync
+    assert up.apply(log.snapshot())
+    assert up.seq == 3 and set(up.hashes) == {h[1]}
+    assert not up.apply(b2)                       # a stale batch after the snapshot is a gap too
+    assert up.apply(log.snapshot()) and up.apply({"type": "heartbeat", "seq": 3})
+    assert not up.apply({"type": "heartbeat", "seq": 5})   # the engine is ahead of us: we missed batches
+
+
+def test_disconnect_claims_nothing_until_a_matching_resume_and_a_restart_resyncs():
+    log = engine_log(TOKENS, 4)
+    up = UpstreamBlocks()
+    up.apply(log.snapshot())
+    up.disconnected()
+    assert up.synced and not up.usable and up.matched_blocks(hash_chain(TOKENS, 4)) == 0
+    assert up.apply({"type": "resume", "instance": log.instance, "seq": log.seq, "block_size": 4})
+    assert up.matched_blocks(hash_chain(TOKENS, 4)) == 10
+    up.disconnected()
+    assert not up.apply({"type": "resume", "instance": "restarted", "seq": log.seq, "block_size": 4})
+    assert not up.synced
+
+
+def test_block_size_is_learned_from_the_snapshot_and_a_change_stays_exact():
+    index = PrefixIndex()
+    prompt = PromptChains(TOKENS)
+    index.get("http://a").apply(engine_log(TOKENS, 4).snapshot())
+    assert index.cached_tokens("http://a", prompt) == 40
+    # The engine restarts with --block-size 8: a new instance, a new snapshot, chains of 8 tokens.
+    index.get("http://a").apply(engine_log(TOKENS, 8).snapshot())
+    assert index.get("http://a").block_size == 8
+    assert index.cached_tokens("http://a", prompt) == 40
+    assert index.cached_tokens("http://unknown", prompt) == 0
+
+
+def test_index_is_bounded_and_forgets_removed_upstreams():
+    index = PrefixIndex(max_blocks_per_upstream=3)
+    up = index.get("http://a")
+    up.apply(engine_log(TOKENS, 4).snapshot())
+    assert len(up.hashes) == 3
+    assert index.cached_tokens("http://a", PromptChains(TOKENS)) == 0   # the oldest (leading) blocks went
+    index.remove("http://a")
+    assert "http://a" not in index.upstreams
+    with pytest.raises(ValueError):
+        PrefixIndex(0)
+
+
+def test_unknown_hash_scheme_is_not_trusted():
+    snap = engine_log(TOKENS, 4).snapshot() | {"hash_scheme": "xxhash-v9"}
+    up = UpstreamBlocks()
+    assert not up.apply(snap) and not up.usable
+    assert HASH_SCHEME != "xxhash-v9"
+
+
+def view(url: str, inflight: int = 0, cached: int = 0, prompt: int = 100, **kw) -> UpstreamView:
+    return UpstreamView(url, inflight=inflight, max_inflight=8, cached_tokens=cached, prompt_tokens=prompt, **kw)
+
+
+def test_strategy_picks_the_longest_cached_prefix():
+    ups = [view("http://a", cached=32), view("http://b", cached=96), view("http://c")]
+    assert pick_prefix_cache(ups).url == "http://b"
+    assert "prefix-cache" in STRATEGIES and Router("prefix-cache").pick(ups).url == "http://b"
+
+
+def test_strategy_falls_back_by_load_without_a_hit_or_past_the_load_bound():
+    ups = [view("http://a", inflight=3), view("http://b", inflight=1), view("http://c", inflight=2)]
+    assert pick_prefix_cache(ups).url == "http://b"           # nothing cached anywhere: least loaded
+    hot = [view("http://a", inflight=6, cached=96), view("http://b"), view("http://c")]
+    assert pick_prefix_cache(hot).url == "http://b"           # a past the bounded-load cap: spills
+    busy = [view("http://a", cached=96, kv_usage=0.9), view("http://b", kv_usage=0.0)]
+    assert pick_prefix_cache(busy).url == "http://a"          # a hit outweighs the other replica's free KV
+    assert pick_prefix_cache([]) is None
+
+
+def test_operator_spec_and_crds_offer_exactly_the_routers_strategies():
+    from pathlib import Path
+
+    import yaml
+
+    from pagedmodel.operator.spec import validate, with_defaults
+
+    root = Path(__file__).resolve().parents[2]
+    for crd in ("crds/pagedmodel.yaml", "charts/pagedmodel/crds/pagedmodel.yaml"):
+        doc = yaml.safe_load((root / crd).read_text())
+        props = doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        assert props["router"]["properties"]["strategy"]["enum"] == list(STRATEGIES), crd
+    for strategy in STRATEGIES:
+        assert not validate(with_defaults({"model": {"source": "builtin://smollm2"}, "router": {"strategy": strategy}}))
+    assert validate(with_defaults({"model": {"source": "builtin://smollm2"}, "router": {"strategy": "prefix-cach"}}))
