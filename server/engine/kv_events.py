@@ -53,7 +53,9 @@ class KVEventLog:
         self._lock = threading.Lock()
         self._ring: deque[EventBatch] = deque(maxlen=ring_size)
         self._seq = 0
-        self._cached: set[bytes] = set()   # the subscribers' view of the pool, as of the last batch
+        # the subscribers' view of the pool as of the last batch; a dict keeps commit order, so a
+        # snapshot lists every parent before its children
+        self._cached: dict[bytes, None] = {}
         self._listeners: dict[int, Callable[[], None]] = {}
         self._ids = itertools.count()
 
@@ -76,9 +78,9 @@ class KVEventLog:
         with self._lock:
             for kind, h, _ in pending:
                 if kind == "s":
-                    self._cached.add(h)
+                    self._cached[h] = None
                 elif kind == "r":
-                    self._cached.discard(h)
+                    self._cached.pop(h, None)
                 else:
                     self._cached.clear()
             self._seq += 1
