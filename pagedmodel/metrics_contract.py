@@ -146,6 +146,13 @@ ROUTER_UPSTREAM_HEALTHY = _router("pagedmodel_router_upstream_healthy", "gauge",
                                   "1 when the upstream is in rotation, 0 ejected.", ("upstream",))
 ROUTER_RETRIES = _router("pagedmodel_router_retries", "counter",
                          "Requests re-sent to another upstream after a connection failure.")
+# what a soak watches for leaks (benchmarks/soak.py): these must return to their idle level
+ROUTER_CLIENT_CONNECTIONS = _router("pagedmodel_router_client_connections", "gauge",
+                                    "Open client connections to the router.")
+ROUTER_UPSTREAM_CONNECTIONS = _router("pagedmodel_router_upstream_connections", "gauge",
+                                      "Connections from the router to upstreams, by state (in_use, idle: pooled "
+                                      "keep-alive).", ("state",))
+ROUTER_ASYNCIO_TASKS = _router("pagedmodel_router_asyncio_tasks", "gauge", "asyncio tasks alive in the router.")
 # tenant limits and fair queueing (server/router/token_limits.py); the tenant label is capped (rest: "other")
 ROUTER_TENANT_REQUESTS = _router("pagedmodel_router_tenant_requests", "counter",
                                  "Requests per tenant at the token limits, by outcome (admitted, rejected).",

@@ -1,7 +1,8 @@
 """The FastAPI app in front of one LLMEngine: routes, API-key check and the request log.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
-POST /tokenize, POST /detokenize, GET /version, GET /health, GET|POST /ping (= /health), GET /metrics.
+POST /tokenize, POST /detokenize, GET /version, GET /health, GET|POST /ping (= /health), GET /metrics;
+GET /debug/kv_blocks with --enable-debug-endpoints (debug.py).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .chat import create_chat_completion
 from .completions import create_completion
+from .debug import kv_blocks_report
 from .drain_cutoff import DrainCutoffMiddleware
 from .errors import APIError, install_error_handlers
 from .kv_events import stream_kv_events
@@ -135,5 +137,11 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    if config.enable_debug_endpoints:
+        @app.get("/debug/kv_blocks")
+        async def debug_kv_blocks(request: Request) -> Response:
+            check_key(request)
+            return JSONResponse(await serving.async_engine.call(kv_blocks_report))
 
     return app

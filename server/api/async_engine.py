@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -121,6 +121,16 @@ def _deliver(items: list[tuple[RequestGroup, tuple[int, RequestOutput]]]) -> Non
         group.queue.put_nowait(item)
 
 
+def _settle_call(cmd: "_Call", ok: bool, value: Any) -> None:
+    def settle() -> None:
+        if not cmd.future.done():
+            (cmd.future.set_result if ok else cmd.future.set_exception)(value)
+    try:
+        cmd.loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the caller's event loop is closed
+
+
 @dataclass
 class _Add:
     group: RequestGroup
@@ -133,6 +143,14 @@ class _Abort:
     request_ids: list[str]
 
 
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the loop thread between steps (read-only inspection, e.g. /debug/kv_blocks)."""
+    fn: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
 class AsyncEngine:
     """Runs `engine` on a background thread; `add` / `abort` are called from the asyncio loop."""
 
@@ -142,7 +160,7 @@ class AsyncEngine:
         self.max_queue_len = max_queue_len
         self.observer = observer
         self.retry_after_s = retry_after_s
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._groups: dict[str, RequestGroup] = {}   # engine request id -> its group (loop thread only)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -212,7 +230,24 @@ class AsyncEngine:
         if ids and self._thread is not None:
             self._commands.put(_Abort(ids))
 
+    async def call(self, fn: Callable[[Any], Any], timeout: float = 30.0) -> Any:
+        """`fn(engine)` run on the loop thread between two steps (only that thread may touch the engine);
+        its exception is raised here. EngineDeadError when the loop is not running."""
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        loop = asyncio.get_running_loop()
+        cmd = _Call(fn, loop, loop.create_future())
+        self._commands.put(cmd)
+        return await asyncio.wait_for(cmd.future, timeout)
+
     # ------------------------------------------------------------------ loop thread
+    def _handle_call(self, cmd: _Call) -> None:
+        try:
+            result, ok = cmd.fn(self.engine), True
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the loop goes on
+            result, ok = exc, False
+        _settle_call(cmd, ok, result)
+
     def _safe_stats(self) -> Any:
         try:
             return self.engine.stats()
@@ -265,6 +300,8 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Add):
                 self._handle_add(cmd)
+            elif isinstance(cmd, _Call):
+                self._handle_call(cmd)
             else:
                 self._handle_abort(cmd)
             try:
@@ -331,6 +368,8 @@ class AsyncEngine:
                 break
             if isinstance(cmd, _Add):
                 cmd.group._resolve(reason)
+            elif isinstance(cmd, _Call):
+                _settle_call(cmd, False, reason)
         for g in groups.values():
             g._resolve(reason)
             g._post((None, reason))

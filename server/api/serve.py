@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--enable-debug-endpoints", action="store_true",
+                        help="serve GET /debug/kv_blocks: KV pool counts and the block invariant check "
+                             "(behind --api-key; for soaks and debugging)")
     from .tool_parsers import TOOL_PARSERS
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='serve tool_choice "auto": the model decides, --tool-call-parser reads its calls')
@@ -106,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
                           api_key=args.api_key or os.environ.get("PAGEDMODEL_API_KEY") or None,
                           log_requests=args.log_requests, max_queue_len=engine_args.max_queue_len,
                           model_root=engine_args.model, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser,
+                          enable_debug_endpoints=args.enable_debug_endpoints)
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, args.host, args.port,
                 engine.max_model_len)

@@ -50,6 +50,7 @@ class ServerConfig:
     # vLLM's --enable-auto-tool-choice / --tool-call-parser: tool_choice "auto" needs both
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    enable_debug_endpoints: bool = False   # GET /debug/kv_blocks (debug.py)
 
 
 class ClientDisconnected(Exception):

@@ -44,6 +44,9 @@ class RouterMetrics:
         self.tenant_tokens = mc.register(mc.ROUTER_TENANT_TOKENS, r)
         self.arrival_requests = mc.register(mc.ROUTER_ARRIVAL_REQUESTS, r)
         self.arrival_tokens = mc.register(mc.ROUTER_ARRIVAL_TOKENS, r)
+        self.client_connections = mc.register(mc.ROUTER_CLIENT_CONNECTIONS, r)
+        self.upstream_connections = mc.register(mc.ROUTER_UPSTREAM_CONNECTIONS, r)
+        self.asyncio_tasks = mc.register(mc.ROUTER_ASYNCIO_TASKS, r)
         self.tenant_label = TenantLabels(max_tenant_labels)
 
     def tenant_outcome(self, tenant: str, outcome: str, tokens: int) -> None:

@@ -1,7 +1,9 @@
 """The router's view of its engine replicas: in-flight counts, scraped metrics, health and ejection.
 
 Health is passive and active at once: a connection failure or 5xx from proxying counts as a
-failure, `consecutive_failures_to_eject` in a row eject the upstream for a backoff that doubles
+failure, and so does a scrape of `/metrics` that cannot connect or times out (a dead or hung engine
+is ejected within a few scrape intervals even when no request is there to notice);
+`consecutive_failures_to_eject` in a row eject the upstream for a backoff that doubles
 on every ejection (capped), and an ejected upstream is re-admitted only after a successful probe
 of its `/health` once the backoff has passed. A successful scrape or request resets the failure
 count. All timing uses an injectable clock; network I/O lives in `scrape_once` / `probe_once`.
@@ -192,8 +194,14 @@ async def scrape_once(pool: UpstreamPool, session: aiohttp.ClientSession, timeou
             async with session.get(up.url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status == 200:
                     pool.apply_scrape(up, await resp.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            # A failed scrape is not a request failure: the engine may be busy; metrics go stale instead.
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            # Nothing listening (killed) or no answer within the timeout (hung, SIGSTOPped): counts towards
+            # ejection, as a failed request would. A live engine answers /metrics from its event loop even
+            # while the engine thread is busy stepping.
+            logger.debug("scrape of %s failed: %s", up.url, exc)
+            pool.record_failure(up)
+        except (aiohttp.ClientError, ValueError) as exc:
+            # A malformed answer is not a health signal: its metrics go stale instead.
             logger.debug("scrape of %s failed: %s", up.url, exc)
 
     async def probe(up: Upstream) -> None:
