@@ -263,7 +263,11 @@ class RouterApp:
         if self.prefix_cache is not None:
             views = self.prefix_cache.annotate(views, chains)
         view = self.router.pick(views, prompt)
-        return self.pool.upstreams.get(view.url) if view is not None else None
+        if view is None:
+            return None
+        if self.prefix_cache is not None:   # every pick is acquired at once by the caller
+            self.prefix_cache.routed(view.url, chains)
+        return self.pool.upstreams.get(view.url)
 
     def _dispatch(self) -> None:
         """Hand free upstream slots to queued requests, most urgent first."""

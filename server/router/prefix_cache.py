@@ -6,7 +6,8 @@ annotates each candidate's view with how many of the prompt's tokens it holds.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import aiohttp
@@ -19,8 +20,10 @@ from .strategies import UpstreamView
 
 class PrefixCacheRouting:
     def __init__(self, tokenizer: Any | None, *, api_key: str | None = None,
-                 max_blocks_per_upstream: int = DEFAULT_MAX_BLOCKS) -> None:
+                 max_blocks_per_upstream: int = DEFAULT_MAX_BLOCKS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.index = PrefixIndex(max_blocks_per_upstream)
+        self.clock = clock
         self.tokenizer = PromptTokenizer(tokenizer) if tokenizer is not None else None
         self.remote: RemoteTokenizer | None = None
         self.api_key = api_key
@@ -58,6 +61,11 @@ class PrefixCacheRouting:
     def annotate(self, views: Sequence[UpstreamView], chains: PromptChains | None) -> list[UpstreamView]:
         if chains is None:
             return list(views)
-        n = len(chains.token_ids)
-        return [dataclasses.replace(v, cached_tokens=self.index.cached_tokens(v.url, chains), prompt_tokens=n)
+        n, now = len(chains.token_ids), self.clock()
+        return [dataclasses.replace(v, cached_tokens=self.index.cached_tokens(v.url, chains, now), prompt_tokens=n)
                 for v in views]
+
+    def routed(self, url: str, chains: PromptChains | None) -> None:
+        """The request went to `url`: its prefix counts as held there while the engine computes it."""
+        if chains is not None:
+            self.index.expect(url, chains, self.clock())

@@ -5,6 +5,12 @@ snapshot, so a `--block-size` change needs no router configuration) and the set 
 it holds, capped at `max_blocks` with least-recently-stored eviction (an index that forgets a block
 only makes routing fall back to load for it; it never claims a block the engine lacks).
 
+In flight: a prompt just routed to an engine is not in its cache until that engine has computed it
+(seconds for a long prompt under load); without more, the next request with the same prefix would
+see no holder and go by load to another engine, which computes the prefix a second time. So the
+router records the chain it routed as *expected* on the chosen engine (`expect`), counted as held
+until the engine's events confirm it (BlockStored), deny it (BlockRemoved) or `EXPECT_TTL_S` passes.
+
 Correctness under loss: a batch whose number is not the next one means events were lost; the index
 marks the upstream as needing a resync and matches nothing for it until a snapshot replaces its set
 (an index that is unsure claims nothing). Pure data structure: the network side is kv_subscriber.py.
@@ -20,6 +26,7 @@ from pagedmodel.server.engine.block_manager import block_hash
 from pagedmodel.server.engine.kv_events import HASH_SCHEME   # the chain hash_chain below recomputes
 
 DEFAULT_MAX_BLOCKS = 1 << 18      # per upstream: ~256k hashes, ~40 MiB at worst; far above a KV cache
+EXPECT_TTL_S = 30.0               # longer than a queued long prefill takes; a lost request's claim ends
 
 
 @dataclass
@@ -31,6 +38,7 @@ class UpstreamBlocks:
     seq: int | None = None          # last batch applied; None: no valid state (resync needed)
     block_size: int | None = None
     hashes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    expected: dict[bytes, float] = field(default_factory=dict)   # routed, not yet confirmed: hash -> expiry
     resyncs: int = 0
     live: bool = False              # connected and confirmed current (snapshot, or a resume that matched)
 
@@ -91,25 +99,41 @@ class UpstreamBlocks:
             self._store(event.get("block_hashes", ()))
         elif kind == "BlockRemoved":
             for h in event.get("block_hashes", ()):
-                self.hashes.pop(bytes.fromhex(h), None)
+                key = bytes.fromhex(h)
+                self.hashes.pop(key, None)
+                self.expected.pop(key, None)
         elif kind == "AllBlocksCleared":
             self.hashes.clear()
+            self.expected.clear()
 
     def _store(self, hexes: Iterable[str]) -> None:
         for h in hexes:
             key = bytes.fromhex(h)
             self.hashes[key] = None
             self.hashes.move_to_end(key)
+            self.expected.pop(key, None)
         while len(self.hashes) > self.max_blocks:
             self.hashes.popitem(last=False)
 
-    def matched_blocks(self, chain: list[bytes]) -> int:
-        """How many leading blocks of the prompt's hash chain this engine holds."""
+    def expect(self, chain: list[bytes], until: float, now: float) -> None:
+        """The engine was just sent a prompt with this chain: count it as held until `until`."""
+        for h in chain:
+            if h not in self.hashes:
+                self.expected.pop(h, None)   # re-inserted last: the dict stays in expiry order
+                self.expected[h] = until
+        if len(self.expected) > self.max_blocks:
+            for h in [h for h, t in self.expected.items() if t <= now]:
+                del self.expected[h]
+            while len(self.expected) > self.max_blocks:
+                del self.expected[next(iter(self.expected))]
+
+    def matched_blocks(self, chain: list[bytes], now: float = float("-inf")) -> int:
+        """How many leading blocks of the prompt's hash chain this engine holds (or is computing)."""
         if not self.usable:
             return 0
         n = 0
         for h in chain:
-            if h not in self.hashes:
+            if h not in self.hashes and self.expected.get(h, now) <= now:
                 break
             n += 1
         return n
@@ -159,10 +183,16 @@ class PrefixIndex:
     def remove(self, url: str) -> None:
         self.upstreams.pop(url, None)
 
-    def cached_tokens(self, url: str, prompt: PromptChains) -> int:
+    def cached_tokens(self, url: str, prompt: PromptChains, now: float = float("-inf")) -> int:
         """Prompt tokens `url` would serve from its prefix cache (0 when unknown or out of sync)."""
         up = self.upstreams.get(url)
         if up is None or not up.usable:
             return 0
         assert up.block_size is not None
-        return up.matched_blocks(prompt.chain(up.block_size)) * up.block_size
+        return up.matched_blocks(prompt.chain(up.block_size), now) * up.block_size
+
+    def expect(self, url: str, prompt: PromptChains, now: float, ttl: float = EXPECT_TTL_S) -> None:
+        up = self.upstreams.get(url)
+        if up is not None and up.usable:
+            assert up.block_size is not None
+            up.expect(prompt.chain(up.block_size), now + ttl, now)

@@ -135,3 +135,20 @@ def test_operator_spec_and_crds_offer_exactly_the_routers_strategies():
     for strategy in STRATEGIES:
         assert not validate(with_defaults({"model": {"source": "builtin://smollm2"}, "router": {"strategy": strategy}}))
     assert validate(with_defaults({"model": {"source": "builtin://smollm2"}, "router": {"strategy": "prefix-cach"}}))
+
+
+def test_a_routed_prompt_counts_as_held_until_confirmed_denied_or_expired():
+    log = KVEventLog(4)
+    index = PrefixIndex()
+    index.get("http://a").apply(log.snapshot())
+    prompt = PromptChains(TOKENS)
+    chain = prompt.chain(4)
+    index.expect("http://a", prompt, now=100.0, ttl=30.0)
+    assert index.cached_tokens("http://a", prompt, now=101.0) == 40     # in flight: the next one follows it
+    assert index.cached_tokens("http://a", prompt, now=131.0) == 0      # never confirmed: the claim lapses
+    index.expect("http://a", prompt, now=200.0, ttl=30.0)
+    log.stored(chain[0], None)
+    log.removed(chain[1])      # the engine evicted what it was expected to hold: denied at once
+    assert index.get("http://a").apply(log.publish().to_json())
+    assert index.cached_tokens("http://a", prompt, now=201.0) == 4
+    assert chain[0] in index.get("http://a").hashes and chain[0] not in index.get("http://a").expected
