@@ -14,6 +14,7 @@ from . import process
 from .probes import ProbeState, run_probe
 
 MAX_BACKOFF_S = 60.0
+TERMINATION_MESSAGE_LINES, TERMINATION_MESSAGE_BYTES = 80, 2048     # the kubelet's log-fallback limits
 
 
 class ContainerWorker:
@@ -87,6 +88,8 @@ class ContainerWorker:
             self.env = env
             started = time.monotonic()
             code, reason, message = await self._run_once(argv, env)
+            if not message and code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+                message = self._log_tail()
             finished = now_iso()
             self.ready = self.started = False
             self.state = {"terminated": {"exitCode": code, "reason": reason, "startedAt": self._started_at,
@@ -109,6 +112,16 @@ class ContainerWorker:
             self.emit("Warning", "BackOff", "Back-off restarting failed container " + self.name)
             if await self._sleep(delay):
                 return
+
+    def _log_tail(self) -> str:
+        """The termination message a kubelet takes from the log under FallbackToLogsOnError (there is no
+        termination-log file here): its last 80 lines, at most 2 KiB, as the kubelet's limits are."""
+        path = self.log_path(False)
+        try:
+            data = path.read_bytes()[-TERMINATION_MESSAGE_BYTES:] if path is not None else b""
+        except OSError:
+            return ""
+        return "\n".join(data.decode("utf-8", "replace").splitlines()[-TERMINATION_MESSAGE_LINES:])
 
     async def _run_once(self, argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
         self._kill_reason = None
