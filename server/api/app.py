@@ -6,7 +6,6 @@ GET /debug/kv_blocks with --enable-debug-endpoints (debug.py).
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from .api_key import APIKeyMiddleware, key_matches, unauthorized
 from .chat import create_chat_completion
 from .completions import create_completion
 from .debug import kv_blocks_report
@@ -23,9 +23,10 @@ from .drain_cutoff import DrainCutoffMiddleware
 from .errors import APIError, install_error_handlers
 from .kv_events import stream_kv_events
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .protocol import ModelCard, ModelList
+from .openapi import install_openapi, request_body
+from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import OpenAIServing, ServerConfig
-from .tokenize import detokenize, tokenize
+from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 logger = logging.getLogger("pagedmodel.server.api")
 
@@ -84,21 +85,21 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         finally:
             serving.close()
 
-    app = FastAPI(title="pagedmodel", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pagedmodel", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.serving = serving
     install_error_handlers(app)
     app.add_middleware(DrainCutoffMiddleware, is_draining=lambda: serving.draining)
+    if config.api_key is not None:   # every path but --auth-exempt (api_key.py); inside the request log
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, exempt=config.auth_exempt)
     if config.log_requests:
         app.add_middleware(RequestLogMiddleware)
 
     def check_key(request: Request) -> None:
         if config.api_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                           code="invalid_api_key")
+        if not key_matches(request.headers.get("authorization"), config.api_key):
+            raise unauthorized()
 
     def keyed(handler: Callable[[OpenAIServing, Request], Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
         async def route(request: Request) -> Response:
@@ -107,9 +108,13 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         return route
 
     # The POST routes that use the model: all behind the API key.
-    for path, handler in (("/v1/completions", create_completion), ("/v1/chat/completions", create_chat_completion),
-                          ("/tokenize", tokenize), ("/detokenize", detokenize)):
-        app.post(path)(keyed(handler))
+    # Each names its body model for the OpenAPI document only (openapi.py); parsing stays in serving.py.
+    routes = (("/v1/completions", create_completion, CompletionRequest),
+              ("/v1/chat/completions", create_chat_completion, ChatCompletionRequest),
+              ("/tokenize", tokenize, TokenizeRequest), ("/detokenize", detokenize, DetokenizeRequest))
+    for path, handler, body in routes:
+        app.post(path, openapi_extra=request_body(body))(keyed(handler))
+    install_openapi(app, [body for _, _, body in routes])
     # The prefix-cache change stream a router subscribes to (kv_events.py); keyed like the model routes.
     app.get("/v1/kv_events")(keyed(stream_kv_events))
 

@@ -9,7 +9,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from .api_key import add_auth_arguments
 from .app import build_app
+from .http_limits import HTTPLimits, add_limit_arguments, limits_from_args
+from .http_protocol import limited_protocol
 from .serving import OpenAIServing, ServerConfig
 
 logger = logging.getLogger("pagedmodel.server.api")
@@ -21,7 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (also read from $PAGEDMODEL_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every path but --auth-exempt "
+                             "(also read from $PAGEDMODEL_API_KEY)")
+    add_auth_arguments(parser)
+    add_limit_arguments(parser, engine=True)
     parser.add_argument("--log-requests", action="store_true", help="log one INFO line per request")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds to let in-flight requests finish after SIGTERM")
@@ -39,10 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class _GracefulServer:
     """uvicorn.Server whose SIGTERM ends the process with status 0 after draining, as Kubernetes expects."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str):
+    def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str,
+                 limits: HTTPLimits | None = None):
         import uvicorn
+        limits = limits or HTTPLimits()
+        # h11 with our protocol (http_protocol.py): header size, head timeout and connection limits as JSON
+        # errors; uvicorn's own limit_concurrency would answer in plain text, so it stays off.
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                     timeout_graceful_shutdown=max(0.0, shutdown_timeout), lifespan="on")
+                                     timeout_graceful_shutdown=max(0.0, shutdown_timeout), lifespan="on",
+                                     http=limited_protocol(limits), h11_max_incomplete_event_size=limits.max_header_bytes,
+                                     timeout_keep_alive=limits.keep_alive_timeout)
         self.server = uvicorn.Server(self.config)
         self.app = app
 
@@ -83,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>` dumps every thread's stack
     try:
         engine_args = EngineArgs.from_cli_args(args)
-    except ConfigError as exc:
+        limits = limits_from_args(args)
+    except (ConfigError, ValueError) as exc:
         print(f"pagedmodel serve: error: {exc}", file=sys.stderr)
         return 2
     if args.enable_auto_tool_choice and not args.tool_call_parser:
@@ -110,9 +123,10 @@ def run(args: argparse.Namespace) -> int:
                           log_requests=args.log_requests, max_queue_len=engine_args.max_queue_len,
                           model_root=engine_args.model, enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser,
-                          enable_debug_endpoints=args.enable_debug_endpoints)
+                          enable_debug_endpoints=args.enable_debug_endpoints, auth_exempt=args.auth_exempt,
+                          limits=limits)
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, args.host, args.port,
                 engine.max_model_len)
-    _GracefulServer(app, args.host, args.port, args.shutdown_timeout, args.log_level).run()
+    _GracefulServer(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits).run()
     return 0

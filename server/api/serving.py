@@ -15,7 +15,7 @@ import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -25,7 +25,9 @@ from pagedmodel.server.engine.input_processor import InvalidRequestError, encode
 from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
+from .api_key import DEFAULT_AUTH_EXEMPT
 from .errors import UNSERVED_HEADER, APIError, validation_message
+from .http_limits import HTTPLimits, read_body
 from .metrics import ServerMetrics, cache_config_labels
 from .protocol import ChatMessage
 from .tool_definitions import FunctionTool
@@ -33,7 +35,6 @@ from .tool_prompt import prepare_chat
 
 logger = logging.getLogger("pagedmodel.server.api")
 
-MAX_BODY_BYTES = 32 << 20   # a 32 MiB JSON body is far beyond any context window we serve
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -51,6 +52,8 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     enable_debug_endpoints: bool = False   # GET /debug/kv_blocks (debug.py)
+    auth_exempt: tuple[str, ...] = DEFAULT_AUTH_EXEMPT   # paths served without the API key
+    limits: HTTPLimits = field(default_factory=HTTPLimits)   # docs/limits.md
 
 
 class ClientDisconnected(Exception):
@@ -76,6 +79,12 @@ class OpenAIServing:
         self._dec_tokenizer = copy.deepcopy(engine.tokenizer)
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._token_str_cache: dict[int, str] = {}
+        limits = config.limits
+        self.max_prompt_tokens = min(self.max_model_len, limits.max_prompt_tokens or self.max_model_len)
+        # No token spells more characters than its longest vocabulary piece, so a text longer than this
+        # is over the token limit for sure: refused without paying to tokenize it (a 8 MiB prompt).
+        longest = max((len(p) for p in self._enc_tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.max_prompt_tokens * max(1, longest)
         self.async_engine = AsyncEngine(engine, max_queue_len=config.max_queue_len,
                                         retry_after_s=config.retry_after_s)
         self.metrics = metrics or ServerMetrics(self.model_name, lambda: self.async_engine.last_stats,
@@ -93,17 +102,8 @@ class OpenAIServing:
         mime = (ctype or "application/json").split(";")[0].strip().lower()
         if mime != "application/json":
             raise APIError(415, f"Content-Type must be application/json, got {ctype!r}", code="unsupported_media_type")
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {MAX_BODY_BYTES} bytes")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                raise APIError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+        limits = self.config.limits
+        raw = await read_body(request.headers.get("content-length"), request.stream(), limits)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -123,6 +123,7 @@ class OpenAIServing:
                            code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        limits.check_fields(data)
         try:
             return model_cls.model_validate(data)
         except ValidationError as exc:
@@ -150,6 +151,7 @@ class OpenAIServing:
                               add_special_tokens: bool = True) -> tuple[list[int], str | None]:
         if isinstance(prompt, list):
             return list(prompt), None
+        self.check_text_length(prompt, "prompt")
         tok = self._enc_tokenizer
 
         def encode() -> list[int]:
@@ -179,10 +181,13 @@ class OpenAIServing:
             text = self._enc_tokenizer.apply_chat_template(
                 dicts, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, **extra)
+            self.check_text_length(text, "messages")
             # The template already holds the special tokens (BOS, role markers): add none unless asked.
             return list(self._enc_tokenizer(text, add_special_tokens=add_special_tokens).input_ids), text
         try:
             return await self._in_tokenizer_thread(render)
+        except APIError:
+            raise
         except Exception as exc:  # jinja TemplateError ("roles must alternate"), encode errors
             raise APIError(400, f"messages could not be rendered with the chat template: {exc}",
                            param="messages") from None
@@ -193,6 +198,15 @@ class OpenAIServing:
             self.inputs.check_prompt(ids, params, param)
         except InvalidRequestError as exc:
             raise _bad_request(exc) from None
+        if len(ids) > self.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; the limit is {self.max_prompt_tokens} "
+                                f"(--max-prompt-tokens)", param=param, code="context_length_exceeded")
+
+    def check_text_length(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {len(text)} characters, more than {self.max_prompt_tokens} tokens "
+                                f"can spell ({self.max_prompt_chars}); the limit is {self.max_prompt_tokens} tokens",
+                           param=param, code="context_length_exceeded")
 
     def decode(self, ids: list[int]) -> str:
         """Token ids as text, on the event loop's own tokenizer copy (an echoed token-id prompt)."""

@@ -2,6 +2,7 @@
 that turns the engine's cumulative outputs into per-choice deltas."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -29,10 +30,22 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 
 
 async def guarded_stream(serving: OpenAIServing, group: RequestGroup, body: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Wrap a chunk generator: abort on disconnect, report engine death in-band, always end with [DONE]."""
+    """Wrap a chunk generator: abort on disconnect, report engine death in-band, always end with [DONE].
+
+    A stream that sends nothing for --stream-idle-timeout (the engine stalled, or queued it that long)
+    is ended with an error event and aborted, so no connection waits on it forever.
+    """
+    idle = serving.config.limits.stream_idle_timeout
     try:
-        async for chunk in body:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(body.__anext__(), idle)
+            except StopAsyncIteration:
+                break
             yield chunk
+    except asyncio.TimeoutError:
+        yield sse(APIError(504, f"no output for {idle:g}s (--stream-idle-timeout); the request was aborted",
+                           code="stream_idle_timeout").body())
     except EngineDeadError as exc:
         yield sse(APIError(500, f"request failed: {exc}", code="engine_error").body())
     except Exception:   # headers are sent: report in-band, keep the traceback in our log
