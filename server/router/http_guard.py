@@ -1,0 +1,73 @@
+"""What the router checks before a request costs it more than its head: connections, the API key,
+the head's size, and (for POSTs) the body's size, arrival time, JSON and field limits — the engine's
+limits and messages (pagedmodel.server.api.http_limits), so both servers answer alike.
+
+Every refusal, and aiohttp's own 404/405, leaves as the OpenAI error body.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from pagedmodel.server.api.api_key import key_matches, unauthorized
+from pagedmodel.server.api.errors import APIError
+from pagedmodel.server.api.http_limits import HTTPLimits, read_body
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(exc: APIError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers or None)
+
+
+def _head_size(request: web.Request) -> int:
+    return len(request.raw_path) + sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+
+
+def guard_middleware(limits: HTTPLimits, api_key: str | None, auth_exempt: tuple[str, ...],
+                     connections: Callable[[], int],
+                     count: Callable[[web.StreamResponse], web.StreamResponse]) -> Any:
+    """The aiohttp middleware; `connections()` is the number of open client connections."""
+    exempt = frozenset(auth_exempt)
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if connections() > limits.max_connections:
+                raise APIError(503, f"too many connections (--max-connections {limits.max_connections}); retry "
+                                    f"shortly", code="too_many_connections",
+                               headers={"Retry-After": "1", "Connection": "close"})
+            if _head_size(request) > limits.max_header_bytes:
+                raise APIError(431, f"request line and headers exceed the limit of {limits.max_header_bytes} bytes "
+                                    f"(--max-header-bytes)", code="headers_too_large", headers={"Connection": "close"})
+            if api_key is not None and request.path not in exempt and not key_matches(
+                    request.headers.get("Authorization"), api_key):
+                raise unauthorized()
+            return await handler(request)
+        except APIError as exc:
+            return count(error_response(exc))
+        except web.HTTPException as exc:   # no such route (404), wrong method (405)
+            if exc.status < 400:
+                raise
+            return count(error_response(APIError(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                                                 headers={k: v for k, v in exc.headers.items()
+                                                          if k.lower() == "allow"})))
+    return guard
+
+
+async def read_json(request: web.Request, limits: HTTPLimits) -> tuple[dict[str, Any], bytes]:
+    """The body as a JSON object and as the bytes to forward; raises the 400/408/413 APIError."""
+    body = await read_body(request.headers.get("Content-Length"), request.content.iter_any(), limits)
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    limits.check_fields(payload)
+    return payload, body
