@@ -19,13 +19,15 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": "pagedmodel.server.engine.sampling_params",
     "RequestOutput": "pagedmodel.server.engine.outputs",
     "EngineArgs": "pagedmodel.server.engine.args",
+    "LoRARequest": "pagedmodel.server.engine.lora.lora_request",
 }
 
-__all__ = ["EngineArgs", "LLM", "RequestOutput", "SamplingParams"]   # the keys of _EXPORTS
+__all__ = ["EngineArgs", "LLM", "LoRARequest", "RequestOutput", "SamplingParams"]   # the keys of _EXPORTS
 
 if TYPE_CHECKING:  # static checkers and IDEs see the real classes
     from pagedmodel.server.engine.args import EngineArgs
     from pagedmodel.server.engine.llm import LLM
+    from pagedmodel.server.engine.lora.lora_request import LoRARequest
     from pagedmodel.server.engine.outputs import RequestOutput
     from pagedmodel.server.engine.sampling_params import SamplingParams
 

@@ -116,6 +116,10 @@ REQUEST_PARAMS_MAX_TOKENS = _engine("vllm:request_params_max_tokens", "histogram
 CACHE_CONFIG_INFO = _engine("vllm:cache_config_info", "gauge", "Information of the KV cache configuration.",
                             ("block_size", "cache_dtype", "num_gpu_blocks", "num_cpu_blocks", "swap_space",
                              "enable_prefix_caching", "gpu_memory_utilization"))
+# vLLM's LoRA info gauge (value: the time of the last update), exported with --enable-lora; the Gateway API
+# Inference Extension reads the adapters resident on each replica from its labels (comma-separated names).
+LORA_REQUESTS_INFO = _engine("vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
+                             ("max_lora", "waiting_lora_adapters", "running_lora_adapters"))
 # vLLM has no block-allocation timing; the alert on slow allocation needs one.
 KV_BLOCK_ALLOCATION = _engine("pagedmodel:kv_block_allocation_seconds", "histogram",
                               "Time the block manager took to allocate KV blocks for one sequence group.",

@@ -1,7 +1,8 @@
 """The FastAPI app in front of one LLMEngine: routes, API-key check and the request log.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
-POST /tokenize, POST /detokenize, GET /version, GET /health, GET|POST /ping (= /health), GET /metrics;
+POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (lora_adapters.py),
+GET /version, GET /health, GET|POST /ping (= /health), GET /metrics;
 GET /debug/kv_blocks with --enable-debug-endpoints (debug.py).
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ from .debug import kv_blocks_report
 from .drain_cutoff import DrainCutoffMiddleware
 from .errors import APIError, install_error_handlers
 from .kv_events import stream_kv_events
+from .lora_adapters import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, adapter_cards, load_lora_adapter,
+                            unload_lora_adapter)
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .openapi import install_openapi, request_body
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -111,7 +114,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     # Each names its body model for the OpenAPI document only (openapi.py); parsing stays in serving.py.
     routes = (("/v1/completions", create_completion, CompletionRequest),
               ("/v1/chat/completions", create_chat_completion, ChatCompletionRequest),
-              ("/tokenize", tokenize, TokenizeRequest), ("/detokenize", detokenize, DetokenizeRequest))
+              ("/tokenize", tokenize, TokenizeRequest), ("/detokenize", detokenize, DetokenizeRequest),
+              ("/v1/load_lora_adapter", load_lora_adapter, LoadLoRAAdapterRequest),
+              ("/v1/unload_lora_adapter", unload_lora_adapter, UnloadLoRAAdapterRequest))
     for path, handler, body in routes:
         app.post(path, openapi_extra=request_body(body))(keyed(handler))
     install_openapi(app, [body for _, _, body in routes])
@@ -123,7 +128,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         check_key(request)
         card = ModelCard(id=serving.model_name, root=config.model_root or serving.model_name,
                          max_model_len=serving.max_model_len)
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+        cards = [card, *adapter_cards(serving)]   # LoRA adapters, each with parent = the base model
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/version")
     async def version() -> Response:

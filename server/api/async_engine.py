@@ -64,6 +64,7 @@ class SubRequest:
     params: SamplingParams
     prompt_index: int
     cache_salt: str | None = None   # prefix-cache blocks are shared only within one salt
+    lora: Any = None                # the LoRA adapter it runs under (None: the base model)
 
 
 class RequestGroup:
@@ -269,8 +270,9 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for sub in group.subs:
+                lora = {"lora_request": sub.lora} if sub.lora is not None else {}
                 self.engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=cmd.arrival_time,
-                                        priority=cmd.priority, cache_salt=sub.cache_salt)
+                                        priority=cmd.priority, cache_salt=sub.cache_salt, **lora)
                 added.append(sub.request_id)
                 self._groups[sub.request_id] = group
         except Exception as exc:  # validation errors reach the handler; partial groups are undone

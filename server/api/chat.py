@@ -24,7 +24,7 @@ from .tool_calling import ToolPlan, delta_message, finish_reason, plan_tools, re
 
 async def create_chat_completion(serving: OpenAIServing, request: Request) -> Response:
     req = await serving.parse_body(request, ChatCompletionRequest)
-    serving.check_model(req.model)
+    lora = serving.check_model(req.model)
     cfg = serving.config
     plan = plan_tools(req.tools, req.tool_choice, cfg.tool_call_parser, cfg.enable_auto_tool_choice,
                       req.parallel_tool_calls)
@@ -39,7 +39,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
                                        continue_final_message=req.continue_final_message)
     serving.check_prompt(ids, params, param="messages")
     request_id = random_id("chatcmpl")
-    group = await serving.submit(serving.build_subs(request_id, [ids], params, req.cache_salt), req.priority)
+    group = await serving.submit(serving.build_subs(request_id, [ids], params, req.cache_salt, lora), req.priority)
     request.state.log_info = f"id={request_id}"
     created = int(time.time())
     if req.stream:
@@ -54,7 +54,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
                       total_tokens=len(ids) + completion_tokens)
     serving.set_log_info(request, request_id, len(ids), completion_tokens,
                          ",".join(sorted({c.finish_reason or "-" for c in choices})))
-    resp = ChatCompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices,
+    resp = ChatCompletionResponse(id=request_id, created=created, model=req.model or serving.model_name, choices=choices,
                                   usage=usage)
     return Response(resp.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
 
@@ -73,7 +73,7 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
                 request_id: str, created: int, prompt_tokens: int, params: SamplingParams,
                 plan: ToolPlan) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    model = serving.model_name
+    model = req.model or serving.model_name
     top_n = req.top_logprobs or 0
 
     async def body() -> AsyncIterator[str]:

@@ -19,8 +19,10 @@ from .structured_outputs import ensure_compiled
 from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk
 
 
-async def prepare_completion(serving: OpenAIServing, req: CompletionRequest) -> tuple[SamplingParams, list[tuple[list[int], str | None]]]:
-    serving.check_model(req.model)
+async def prepare_completion(serving: OpenAIServing, req: CompletionRequest
+                             ) -> tuple[SamplingParams, list[tuple[list[int], str | None]], Any]:
+    """Sampling params, the tokenized prompts, and the LoRA adapter ``model`` names (None: the base model)."""
+    lora = serving.check_model(req.model)
     try:
         params = req.to_sampling_params()
         prompts = req.prompts()
@@ -30,14 +32,14 @@ async def prepare_completion(serving: OpenAIServing, req: CompletionRequest) -> 
     for ids, _ in tokenized:
         serving.check_prompt(ids, params)
     await ensure_compiled(serving, params)
-    return params, tokenized
+    return params, tokenized, lora
 
 
 async def create_completion(serving: OpenAIServing, request: Request) -> Response:
     req = await serving.parse_body(request, CompletionRequest)
-    params, tokenized = await prepare_completion(serving, req)
+    params, tokenized, lora = await prepare_completion(serving, req)
     request_id = random_id("cmpl")
-    subs = serving.build_subs(request_id, [ids for ids, _ in tokenized], params, req.cache_salt)
+    subs = serving.build_subs(request_id, [ids for ids, _ in tokenized], params, req.cache_salt, lora)
     group = await serving.submit(subs, req.priority)
     request.state.log_info = f"id={request_id}"   # completed with token counts once the reply is done
     created = int(time.time())
@@ -66,14 +68,15 @@ async def create_completion(serving: OpenAIServing, request: Request) -> Respons
                       total_tokens=prompt_tokens + completion_tokens)
     serving.set_log_info(request, request_id, prompt_tokens, completion_tokens,
                          ",".join(sorted({c.finish_reason or "-" for c in choices})))
-    resp = CompletionResponse(id=request_id, created=created, model=serving.model_name, choices=choices, usage=usage)
+    resp = CompletionResponse(id=request_id, created=created, model=req.model or serving.model_name, choices=choices,
+                              usage=usage)
     return Response(resp.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
 
 def stream_completion(serving: OpenAIServing, request: Request, req: CompletionRequest, group: RequestGroup,
                        request_id: str, created: int, tokenized: list[tuple[list[int], str | None]],
                        params: SamplingParams) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    model = serving.model_name
+    model = req.model or serving.model_name
     n = params.n
     top_n = params.logprobs or 0
 

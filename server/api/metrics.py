@@ -15,6 +15,7 @@ observed when the engine accepts it (the parameters are fixed from then on).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -68,6 +69,8 @@ class _EngineStatsCollector(Collector):
             c.add_metric([self.model_name], float(getattr(stats, attr, 0) or 0) if stats is not None else 0.0)
             yield c
         yield self._allocation_histogram(stats)
+        if stats is not None and getattr(stats, "max_lora", 0):
+            yield _lora_info(stats)
 
     def _allocation_histogram(self, stats: Any) -> Metric:
         """pagedmodel:kv_block_allocation_seconds from the engine's cumulative bucket counts.
@@ -88,6 +91,15 @@ class _EngineStatsCollector(Collector):
         edges = [floatToGoString(e) for e in defn.buckets] + ["+Inf"]
         h.add_metric([self.model_name], list(zip(edges, (float(c) for c in counts))), sum_value=total)
         return h
+
+
+def _lora_info(stats: Any) -> Metric:
+    """vllm:lora_requests_info as vLLM exports it: one sample whose labels carry the adapters."""
+    defn = mc.LORA_REQUESTS_INFO
+    g = GaugeMetricFamily(defn.name, defn.help, labels=list(defn.labels))
+    g.add_metric([str(stats.max_lora), ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)],
+                 time.time())
+    return g
 
 
 def cache_config_labels(engine: Any) -> dict[str, str]:

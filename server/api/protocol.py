@@ -357,6 +357,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedmodel"
     root: str | None = None
+    parent: str | None = None            # a LoRA adapter's base model (None for the base model itself)
     max_model_len: int | None = None
 
 

@@ -28,6 +28,7 @@ from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestG
 from .api_key import DEFAULT_AUTH_EXEMPT
 from .errors import UNSERVED_HEADER, APIError, validation_message
 from .http_limits import HTTPLimits, read_body
+from .lora_adapters import resolve_model
 from .metrics import ServerMetrics, cache_config_labels
 from .protocol import ChatMessage
 from .tool_definitions import FunctionTool
@@ -130,10 +131,9 @@ class OpenAIServing:
             message, param = validation_message(list(exc.errors(include_url=False)))
             raise APIError(400, message, param=param, code="invalid_request_error") from None
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> Any:
+        """The LoRA adapter ``model`` names (None: the base model); 404 when this server has no such model."""
+        return resolve_model(self, model)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -230,9 +230,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ submission
     def build_subs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                   cache_salt: str | None = None) -> list[SubRequest]:
+                   cache_salt: str | None = None, lora: Any = None) -> list[SubRequest]:
         """One engine request per prompt; the engine forks its n (best_of) samples off the shared prompt."""
-        return [SubRequest(f"{request_id}-{i}", ids, params, i, cache_salt) for i, ids in enumerate(prompts)]
+        return [SubRequest(f"{request_id}-{i}", ids, params, i, cache_salt, lora) for i, ids in enumerate(prompts)]
 
     async def submit(self, subs: list[SubRequest], priority: int) -> RequestGroup:
         self.check_accepting()

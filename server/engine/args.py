@@ -32,6 +32,10 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     max_queue_len: int | None = None            # waiting requests beyond this are refused (HTTP 503)
+    enable_lora: bool = False
+    max_loras: int = 1                          # adapters resident (batched together) at once
+    max_lora_rank: int = 16
+    lora_modules: list[str] | None = None       # "name=path" or '{"name": ..., "path": ...}' loaded at start
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +65,14 @@ class EngineArgs:
             raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.max_queue_len is not None and self.max_queue_len < 0:
             raise ConfigError(f"--max-queue-len must be >= 0, got {self.max_queue_len}")
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("--lora-modules needs --enable-lora")
+        for spec in self.lora_modules or []:
+            parse_lora_module(spec)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -85,9 +97,31 @@ class EngineArgs:
           help="run every step eagerly, capturing no CUDA graphs (by default, on CUDA with the Triton backend, "
                "decode steps of up to min(max-num-seqs, 512) sequences replay graphs captured at start-up)")
         a("--max-queue-len", type=int, default=None, help="waiting requests beyond this get HTTP 503")
+        a("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+        a("--max-loras", type=int, default=d["max_loras"].default, help="LoRA adapters resident (batched) at once")
+        a("--max-lora-rank", type=int, default=d["max_lora_rank"].default, help="highest adapter rank accepted")
+        a("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+          help='adapters loaded at start: name=path, or \'{"name": "...", "path": "..."}\'; requests pick one by "model"')
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def parse_lora_module(spec: str) -> tuple[str, str]:
+    """``name=path`` or the JSON form ``{"name": ..., "path": ...}`` -> (name, path)."""
+    import json
+
+    if spec.lstrip().startswith("{"):
+        try:
+            obj = json.loads(spec)
+        except ValueError as exc:
+            raise ConfigError(f"--lora-modules: {spec!r} is not valid JSON: {exc}") from None
+        name, path = obj.get("name"), obj.get("path")
+    else:
+        name, _, path = spec.partition("=")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise ConfigError(f"--lora-modules: {spec!r} must be name=path or {{\"name\": ..., \"path\": ...}}")
+    return name, path

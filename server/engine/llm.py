@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Union
 
 from .args import EngineArgs
+from .lora.lora_request import LoRARequest
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -24,16 +25,21 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order, with timings in ``.metrics``.
 
         A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
-        (either dict may carry ``"cache_salt"``); pass one or a list of them, as with vLLM."""
+        (either dict may carry ``"cache_salt"``); pass one or a list of them, as with vLLM.
+        ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("give one LoRARequest, or one per prompt")
         specs = [p.structured_outputs for p in params_list if p.structured_outputs is not None]
         for spec in specs:        # compile them all in parallel; a bad one raises before anything is added
             self.engine.grammars.compile(spec)
@@ -41,9 +47,9 @@ class LLM:
             self.engine.grammars.result(spec)
         ids = []
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p, lora in zip(prompts, params_list, loras):
                 rid = f"offline-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
                 ids.append(rid)
         except Exception:   # a bad prompt in the list: the ones before it must not linger in the engine
             for rid in ids:

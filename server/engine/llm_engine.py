@@ -13,12 +13,16 @@ import random
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from .args import EngineArgs
+from .args import ConfigError, EngineArgs, parse_lora_module
 from .beam_group import BeamGroup
 from .beam_search import BeamSearch
 from .detokenizer import init_offsets
 from .grammar_compiler import GrammarCompiler
 from .input_processor import InputProcessor, InvalidRequestError
+from .lora.adapter import LoRAAdapter, LoRAError
+from .lora.layers import LoRAState
+from .lora.lora_request import LoRARequest
+from .lora.registry import LoRARegistry
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -52,10 +56,13 @@ class LLMEngine:
         self.scheduler = Scheduler(worker.num_blocks, args.block_size, args.max_num_seqs, max_num_batched_tokens,
                                    StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
                                    enable_prefix_caching=args.enable_prefix_caching,
-                                   num_cpu_blocks=worker.num_cpu_blocks, preemption_mode=args.preemption_mode)
+                                   num_cpu_blocks=worker.num_cpu_blocks, preemption_mode=args.preemption_mode,
+                                   num_lora_slots=args.max_loras if args.enable_lora else 0)
+        self.lora_registry = self._start_lora(args, mc, worker) if args.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device,
                                   max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-                                  enforce_eager=args.enforce_eager)
+                                  enforce_eager=args.enforce_eager,
+                                  lora=LoRAState(self.model, args.max_loras) if args.enable_lora else None)
         self.kv_events = self.scheduler.block_manager.kv_events   # None without prefix caching
         self.sampler = Sampler(self.device, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -67,18 +74,34 @@ class LLMEngine:
                  self.model_name, self.device, worker.dtype, worker.num_blocks, args.block_size,
                  self.kv_cache.nbytes / 2**20, self.max_model_len)
 
+    @staticmethod
+    def _start_lora(args: EngineArgs, mc: ModelConfig, worker: Worker) -> LoRARegistry:
+        registry = LoRARegistry(mc.hf_config, args.max_lora_rank, worker.dtype)
+        for spec in args.lora_modules or []:
+            name, path = parse_lora_module(spec)
+            try:
+                registry.load(name, path)
+            except LoRAError as exc:
+                raise ConfigError(f"--lora-modules: {exc}") from None
+        return registry
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: object, params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | LoRAAdapter | None = None) -> None:
         """``prompt``: a string, token ids, or a ``{"prompt" | "prompt_token_ids": ..., "cache_salt": ...}``
-        dict (input_processor.py); an unservable request raises InvalidRequestError and holds nothing."""
+        dict (input_processor.py); ``lora_request``: the adapter to run under (loaded on first use), or
+        the registry's adapter itself; an unservable request raises InvalidRequestError and holds nothing."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         inputs = self.input_processor.process(prompt, params, cache_salt)
+        adapter = self._adapter(lora_request)
+        salt = (inputs.cache_salt or "").encode()
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         group = SequenceGroup(request_id, inputs.text, inputs.token_ids, params,
                               RequestMetrics(arrival_time if arrival_time is not None else time.time()),
-                              priority=priority, seed=seed, cache_salt=(inputs.cache_salt or "").encode())
+                              priority=priority, seed=seed,
+                              cache_salt=adapter.cache_salt + b"\0" + salt if adapter else salt, lora=adapter)
         init_offsets(group.seqs[0])
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]   # nothing scores the first prompt token
@@ -98,6 +121,16 @@ class LLMEngine:
             self.sampler.add_grammar(group, self.grammars.wait(grammar, so))   # a bad spec raises, holding nothing
         self.requests[request_id] = group
         self.scheduler.add(group)
+
+    def _adapter(self, lora_request: LoRARequest | LoRAAdapter | None) -> LoRAAdapter | None:
+        if lora_request is None or isinstance(lora_request, LoRAAdapter):
+            return lora_request
+        if self.lora_registry is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters; start it with --enable-lora", "model")
+        try:
+            return self.lora_registry.resolve(lora_request)
+        except LoRAError as exc:
+            raise InvalidRequestError(str(exc), "model") from None
 
     def abort_request(self, request_id: str) -> None:
         group = self.requests.pop(request_id, None)

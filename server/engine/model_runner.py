@@ -19,6 +19,7 @@ from pagedmodel.kernels.backend import AttentionBackend
 
 from .cuda_graph_runner import CUDAGraphRunner, GraphBackend, capture_sizes, select_graph_backend
 from .kv_cache import KVCache
+from .lora.layers import LoRABatch, LoRAState
 from .scheduler import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -37,13 +38,15 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend, device: torch.device, *, max_model_len: int | None = None,
                  max_num_seqs: int = 256, enforce_eager: bool = False,
                  graph_backend: GraphBackend | None | Literal["auto"] = "auto",
-                 graph_sizes: Sequence[int] | None = None):
+                 graph_sizes: Sequence[int] | None = None, lora: LoRAState | None = None):
         """``graph_backend``: ``"auto"`` lets ``select_graph_backend`` decide (device, attention
         backend, ``enforce_eager``, ``PAGEDMODEL_CUDA_GRAPHS``); tests may force one (e.g.
         ``EmulatedGraphBackend()`` on CPU) or ``None``; ``enforce_eager`` wins either way.
         ``graph_sizes`` replaces the batch-size ladder. Graphs are captured here, once, so the KV
-        cache must already be allocated."""
+        cache must already be allocated. ``lora``: the model's LoRA wrappers (``--enable-lora``); steps with
+        adapter rows run eagerly."""
         self.model = model
+        self.lora = lora
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = device
@@ -112,11 +115,18 @@ class ModelRunner:
         self.kv_cache.swap_in(sched.blocks_to_swap_in)
         self.kv_cache.copy_blocks(sched.blocks_to_copy)
         input_ids, positions, meta, sample_rows, prompt_spans = self.prepare(sched)
+        lora_batch = self._lora_batch(sched) if self.lora is not None else None
         hidden = None
-        if self.graph_runner is not None:
+        if self.graph_runner is not None and lora_batch is None:
             hidden = self.graph_runner.run(input_ids, positions, meta)  # None: not a capturable step
         if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+            if self.lora is not None:
+                self.lora.batch = lora_batch
+            try:
+                hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+            finally:
+                if self.lora is not None:
+                    self.lora.batch = None
         out = ModelRunnerOutput([s for s in sched.scheduled if s.samples],
                                 hidden.new_empty((0, 0), dtype=torch.float32))
         for s, row0, count in prompt_spans:
@@ -126,3 +136,20 @@ class ModelRunner:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             out.logits = self.model.compute_logits(hidden[rows])
         return out
+
+    def _lora_batch(self, sched: SchedulerOutput) -> LoRABatch | None:
+        """Loads the adapters the scheduler placed in slots this step, and groups the step's token rows
+        by slot; None when no row uses an adapter."""
+        for slot, adapter in sched.lora_loads:
+            self.lora.load(slot, adapter)
+        rows: dict[int, list[int]] = {}
+        offset = 0
+        for s in sched.scheduled:
+            if s.lora_slot is not None:
+                rows.setdefault(s.lora_slot, []).extend(range(offset, offset + s.num_new_tokens))
+            offset += s.num_new_tokens
+        if not rows:
+            return None
+        if len(rows) == 1 and len(next(iter(rows.values()))) == offset:    # every row under one adapter
+            return LoRABatch([(next(iter(rows)), None)])
+        return LoRABatch([(slot, torch.tensor(r, dtype=torch.long, device=self.device)) for slot, r in rows.items()])

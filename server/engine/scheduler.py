@@ -32,13 +32,18 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .beam_group import BeamDecision
 from .block_manager import BlockManager
+from .lora.slots import LoRASlots
 from .sampler import SampleResult, SamplerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .stats import EngineStats
 from .stop_checker import StopChecker
+
+if TYPE_CHECKING:
+    from .lora.adapter import LoRAAdapter
 
 
 @dataclass
@@ -49,6 +54,7 @@ class ScheduledSequence:
     start: int = field(init=False)       # first position computed this step
     samples: bool = field(init=False)    # this step computes the last known token: its logits give the next
     block_ids: list[int] = field(default_factory=list)   # the sequence's block table, set by schedule()
+    lora_slot: int | None = None         # the slot holding its LoRA adapter's weights (None: base model)
 
     def __post_init__(self) -> None:
         self.start = self.seq.num_computed_tokens
@@ -61,6 +67,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu), done first
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, device), done second
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # copy-on-write, done third
+    lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)  # (slot, adapter) to load first
     preempted: list[SequenceGroup] = field(default_factory=list)
     swapped_out: list[SequenceGroup] = field(default_factory=list)
     swapped_in: list[SequenceGroup] = field(default_factory=list)
@@ -83,7 +90,10 @@ class StepUpdate:
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  stop_checker: StopChecker, *, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0,
-                 preemption_mode: str | None = None):
+                 preemption_mode: str | None = None, num_lora_slots: int = 0):
+        """``num_lora_slots``: ``--max-loras`` (0: LoRA off); requests whose adapter cannot get a slot wait."""
+        self.lora_slots = LoRASlots(num_lora_slots) if num_lora_slots else None
+        self._lora_holders: set[str] = set()     # requests holding a reference on their adapter's slot
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
                                           num_cpu_blocks=num_cpu_blocks)
         self.stop_checker = stop_checker
@@ -110,6 +120,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped):
             if group in queue:
                 queue.remove(group)
+        self._release_lora(group)
         for seq in group.seqs:
             self.block_manager.free(seq)
             if not seq.is_finished:
@@ -124,6 +135,7 @@ class Scheduler:
                     self.block_manager.free(seq)
             if group.is_finished:
                 self.running.remove(group)
+                self._release_lora(group)
                 done.append(group)
         return done
 
@@ -173,6 +185,8 @@ class Scheduler:
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         for s in out.scheduled:
             s.block_ids = self.block_manager.block_ids(s.seq)
+            if s.group.lora is not None:
+                s.lora_slot = self.lora_slots.slot_of(s.group.lora.int_id)
         now = time.time() if now is None else now
         for group in out.admitted:
             if group.metrics.first_scheduled_time is None:   # first admission only, not re-admissions
@@ -207,8 +221,12 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         num_seqs = self.num_running_seqs
-        while self.waiting and budget > 0:
-            group = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            group = self.waiting[i]
+            if group.lora is not None and not self.lora_slots.can_acquire(group.lora.int_id):
+                i += 1          # its adapter has no slot yet: requests behind it may use resident ones
+                continue
             seqs = group.unfinished_seqs()
             if num_seqs + len(seqs) > self.max_num_seqs:
                 break
@@ -240,7 +258,8 @@ class Scheduler:
                     p.seq.num_computed_tokens = 0
                     budget += p.num_new_tokens
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
+            self._acquire_lora(group, out)
             for seq, num_cached in zip(seqs, hits):
                 seq.status = SequenceStatus.RUNNING
                 if group.metrics.first_scheduled_time is None:  # first admission only, not re-admissions
@@ -269,12 +288,29 @@ class Scheduler:
             out.swapped_out.append(group)
             return
         # recompute: drop the KV, keep the tokens; the prompt + output so far are prefilled again later
+        self._release_lora(group)
         for seq in group.unfinished_seqs():
             bm.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, group, key=lambda g: g.sort_key)
 
+
+    def _acquire_lora(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        if group.lora is None:
+            return
+        got = self.lora_slots.acquire(group.lora.int_id)
+        if got is None:
+            raise AssertionError("can_acquire promised a LoRA slot")
+        slot, needs_load = got
+        if needs_load:
+            out.lora_loads.append((slot, group.lora))
+        self._lora_holders.add(group.request_id)
+
+    def _release_lora(self, group: SequenceGroup) -> None:
+        if group.request_id in self._lora_holders:
+            self._lora_holders.discard(group.request_id)
+            self.lora_slots.release(group.lora.int_id)
 
     # ---- after the model ran -------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, out: SamplerOutput) -> StepUpdate:
@@ -360,7 +396,10 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions, num_swap_outs_total=self.num_swap_outs,
             max_num_seqs=self.max_num_seqs, block_size=bm.block_size,
             block_allocation_buckets=bm.allocation_timer.cumulative_buckets(),
-            block_allocation_seconds_sum=bm.allocation_timer.seconds_sum)
+            block_allocation_seconds_sum=bm.allocation_timer.seconds_sum,
+            running_lora_adapters=_lora_names(self.running + self.swapped),
+            waiting_lora_adapters=_lora_names(self.waiting),
+            max_lora=self.lora_slots.num_slots if self.lora_slots else 0)
 
 
 def _record_prompt_logprobs(group: SequenceGroup, start: int, entries: list[dict[int, float]]) -> None:
@@ -368,6 +407,10 @@ def _record_prompt_logprobs(group: SequenceGroup, start: int, entries: list[dict
     for j, entry in enumerate(entries):
         if len(group.prompt_logprobs) == start + 1 + j:
             group.prompt_logprobs.append(entry)
+
+
+def _lora_names(groups: list[SequenceGroup]) -> tuple[str, ...]:
+    return tuple(sorted({g.lora.name for g in groups if g.lora is not None}))
 
 
 def _decoding(group: SequenceGroup) -> bool:

@@ -4,9 +4,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .lora.adapter import LoRAAdapter
 
 
 class SequenceStatus(enum.Enum):
@@ -99,6 +103,7 @@ class SequenceGroup:
     priority: int = 0                   # as in vLLM: lower value = served earlier
     seed: int = 0                       # the request's seed, or one drawn by the engine
     cache_salt: bytes = b""             # isolates this request's prefix-cache entries (e.g. per tenant)
+    lora: LoRAAdapter | None = None     # the adapter it runs under (None: the base model)
     seqs: list[Sequence] = field(default_factory=list)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_order))
     num_cached_tokens: int = 0

@@ -27,3 +27,7 @@ class EngineStats:
     # metrics_contract.ALLOCATION_BUCKETS, then +Inf (= the count); and their sum in seconds
     block_allocation_buckets: tuple[int, ...] = ()
     block_allocation_seconds_sum: float = 0.0
+    # LoRA (vllm:lora_requests_info): adapters of running and of waiting requests, and --max-loras
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
