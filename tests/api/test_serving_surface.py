@@ -89,7 +89,11 @@ def test_vllm_metrics_cache_config_phases_iteration_tokens_and_params(api_server
 
     info = [k for k in after if k.startswith("vllm:cache_config_info{")]
     assert len(info) == 1 and after[info[0]] == 1.0
-    assert 'block_size="16"' in info[0] and 'num_gpu_blocks="' in info[0] and 'cache_dtype="float32"' in info[0]
+    import torch
+
+    from pagedmodel.server.engine.device import pick_dtype
+    auto = str(pick_dtype("auto", None, torch.device("cpu"))).removeprefix("torch.")   # bf16 on AMX/AVX512-BF16
+    assert 'block_size="16"' in info[0] and 'num_gpu_blocks="' in info[0] and f'cache_dtype="{auto}"' in info[0]
     assert grew("vllm:request_prefill_time_seconds_count") == 1
     assert grew("vllm:request_decode_time_seconds_count") == 1
     assert grew("vllm:request_decode_time_seconds_sum") > 0

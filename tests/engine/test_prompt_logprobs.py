@@ -24,7 +24,7 @@ def hf_prompt_logprobs(model_dir, prompt):
 def test_prompt_logprobs_match_hf_across_chunks_and_cache(wordlevel_llama_dir):
     ref = hf_prompt_logprobs(wordlevel_llama_dir, PROMPT)
     # an 8-token budget computes the prompt in five chunks; prefix caching is on and the same prompt ran before
-    llm = LLM(str(wordlevel_llama_dir), device="cpu", block_size=8, max_model_len=128,
+    llm = LLM(str(wordlevel_llama_dir), device="cpu", dtype="float32", block_size=8, max_model_len=128,
               max_num_batched_tokens=8, enable_prefix_caching=True)
     llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2))
     bm = llm.engine.scheduler.block_manager
