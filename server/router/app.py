@@ -4,8 +4,9 @@ Per request: rate limit (429) -> the tenant's request and token limits (429 with
 x-ratelimit-* headers, tenancy.py) -> free upstream slot now, else the bounded priority queue, fair
 between tenants (503 when full or timed out) -> strategy picks the upstream -> the response is
 streamed back chunk by chunk, its usage settling the tenant's reservation. A connection failure
-before any response byte, or a 503 the engine marks as refused unstarted (X-PagedModel-Unserved:
-draining after SIGTERM), is retried on another upstream; a started response never is. An upstream
+before any response byte, an upstream ejected (dead or hung) while the request waited for its answer,
+or a 503 the engine marks as refused unstarted (X-PagedModel-Unserved: draining after SIGTERM), is
+retried on another upstream; a started response never is. An upstream
 failing repeatedly is ejected and re-probed (upstreams.py). Mid-stream failures end an SSE stream
 with an OpenAI-style error event, which the `openai` SDK raises as APIError.
 
@@ -31,9 +32,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pagedmodel.server.api.api_key import DEFAULT_AUTH_EXEMPT, add_auth_arguments
 from pagedmodel.server.api.errors import UNSERVED_HEADER, APIError
+from pagedmodel.server.api.http_limits import HTTPLimits, add_limit_arguments, limits_from_args
 from .admission import RateLimiter
 from .discovery import PodDiscovery, current_namespace
+from .http_guard import guard_middleware, read_json
 from .metrics import RouterMetrics
 from .prefix_cache import PrefixCacheRouting
 from .prefix_index import PromptChains
@@ -53,7 +57,11 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 # On SIGTERM the router stops accepting and gives running requests (streams relayed from engines) this
 # long; the operator's router pods get a grace period above it (operator/desired_state.py).
 DRAIN_S = 60.0
-_CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+class UpstreamEjected(ConnectionError):
+    """The upstream was ejected (dead or hung) while a request waited for its answer."""
+
+
+_CONNECT_ERRORS = (UpstreamEjected, aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                    aiohttp.ServerTimeoutError, asyncio.TimeoutError)
 
 
@@ -80,6 +88,9 @@ class RouterConfig:
     tenant_tokens_per_minute: float | None = None
     tenant_overrides: dict[str, Limits] = field(default_factory=dict)
     default_max_tokens: int = 256      # completion tokens reserved for a request that names no max_tokens
+    api_key: str | None = None         # required of clients on every path but auth_exempt (http_guard.py)
+    auth_exempt: tuple[str, ...] = DEFAULT_AUTH_EXEMPT
+    limits: HTTPLimits = field(default_factory=HTTPLimits)   # docs/limits.md, the engine's flags and checks
     tokenizer: str | None = None       # the model (dir or name) whose tokenizer prefix-cache routing uses
     upstream_api_key: str | None = None   # for the router's own calls to engines (their KV-event streams)
 
@@ -166,11 +177,15 @@ class RouterApp:
         self.session: aiohttp.ClientSession | None = None
         self._background: asyncio.Task[None] | None = None
         self._gauged: set[str] = set()
+        self.http_server: web.Server | None = None   # set by serve(): its open client connections are gauged
 
     # lifecycle
 
     def build(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        cfg = self.cfg
+        guard = guard_middleware(cfg.limits, cfg.api_key, cfg.auth_exempt, count=self._count,
+                                 connections=lambda: len(self.http_server.connections) if self.http_server else 0)
+        app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[guard])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/v1/models", self.models)
@@ -179,6 +194,7 @@ class RouterApp:
         app.router.add_post("/tokenize", self.proxy_post)
         app.router.add_post("/detokenize", self.proxy_post)
         app.router.add_get("/version", self.models)
+        app.router.add_get("/openapi.json", self.models)   # the engines' document: the same surface
         app.router.add_get("/ping", self.health)
         app.router.add_post("/ping", self.health)
         app.on_startup.append(self._start)
@@ -253,6 +269,22 @@ class RouterApp:
                 except KeyError:
                     pass
         self._gauged = set(self.pool.upstreams)
+        self._update_leak_gauges()
+
+    def _update_leak_gauges(self) -> None:
+        """Connections and tasks, which return to their idle level once traffic stops (soak's leak check)."""
+        if self.http_server is not None:
+            self.metrics.client_connections.set(len(self.http_server.connections))
+        connector = self.session.connector if self.session is not None else None
+        if connector is not None:
+            # aiohttp has no public count; its pool keeps idle connections per host and the acquired set
+            idle = sum(len(v) for v in getattr(connector, "_conns", {}).values())
+            self.metrics.upstream_connections.labels("idle").set(idle)
+            self.metrics.upstream_connections.labels("in_use").set(len(getattr(connector, "_acquired", ())))
+        try:
+            self.metrics.asyncio_tasks.set(len(asyncio.all_tasks()))
+        except RuntimeError:   # no running loop (unit tests calling in from outside one)
+            pass
 
     # admission
 
@@ -332,13 +364,7 @@ class RouterApp:
         return await self._forward(request, "GET", b"", priority=0, prompt="", adm=None)
 
     async def proxy_post(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        try:
-            payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            return self._count(_error(400, f"request body is not valid JSON: {exc}"))
-        if not isinstance(payload, dict):
-            return self._count(_error(400, "request body must be a JSON object"))
+        payload, body = await read_json(request, self.cfg.limits)   # an APIError leaves through the guard
         priority = payload.get("priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int):
             return self._count(_error(400, "priority must be an integer (lower values are served first)",
@@ -388,8 +414,7 @@ class RouterApp:
             tried.add(up.url)
             started = self.clock()
             try:
-                upstream_resp = await self.session.request(method, up.url + request.path_qs, data=body or None,
-                                                           headers=headers)
+                upstream_resp = await self._send_upstream(up, method, up.url + request.path_qs, body, headers)
             except _CONNECT_ERRORS as exc:
                 # Nothing reached the client yet: count the failure and try another replica.
                 logger.warning("upstream %s failed before responding (%s); retrying elsewhere", up.url, exc)
@@ -428,6 +453,28 @@ class RouterApp:
         return self._count(_error(502, f"no upstream answered after {self.cfg.max_attempts} attempts",
                                   code="upstream_unreachable"))
 
+    async def _send_upstream(self, up: Upstream, method: str, url: str, body: bytes,
+                             headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """The upstream's response, unless the pool ejects it first (its scrapes or other requests failed:
+        dead or hung, e.g. SIGSTOPped). A non-streamed answer sends nothing until it is done, so silence
+        alone cannot tell a hung engine from a long generation; the ejection can, and then the request,
+        which sent the client nothing yet, is dropped here and retried elsewhere by the caller."""
+        assert self.session is not None
+        deadline = asyncio.timeout(None)   # in this task: aiohttp's response must be read where it was made
+
+        def on_eject() -> None:
+            deadline.reschedule(asyncio.get_running_loop().time())
+        up.on_eject.add(on_eject)
+        try:
+            async with deadline:
+                return await self.session.request(method, url, data=body or None, headers=headers)
+        except TimeoutError:
+            if deadline.expired():   # closes its connection: the engine sees the disconnect and aborts it
+                raise UpstreamEjected(f"{up.url} was taken out of rotation before it answered") from None
+            raise
+        finally:
+            up.on_eject.discard(on_eject)
+
     async def _relay(self, request: web.Request, upstream_resp: aiohttp.ClientResponse,
                      up: Upstream, adm: Admission | None) -> web.StreamResponse:
         """Copy status and headers, then each chunk as it arrives (never the whole body at once)."""
@@ -448,8 +495,10 @@ class RouterApp:
                 resp.headers[k] = v
             adm.meter, adm.relayed, adm.status = meter, True, upstream_resp.status
         await resp.prepare(request)
+        # A stream whose engine stalls (hung, SIGSTOPped) is ended after --stream-idle-timeout, not held open.
+        idle = self.cfg.limits.stream_idle_timeout if is_sse else None
         try:
-            async for chunk in upstream_resp.content.iter_any():
+            while chunk := await asyncio.wait_for(upstream_resp.content.readany(), idle):
                 meter.feed(chunk)
                 await resp.write(chunk)
             meter.finish()
@@ -457,8 +506,10 @@ class RouterApp:
             logger.warning("upstream %s failed mid-response: %s", up.url, exc)
             self.pool.record_failure(up)
             if is_sse:
-                err = APIError(502, f"upstream failed mid-stream: {exc}", code="upstream_failed").body()
+                why = str(exc) or f"no data for {idle:g}s (--stream-idle-timeout)"
+                err = APIError(502, f"upstream failed mid-stream: {why}", code="upstream_failed").body()
                 await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write(b"data: [DONE]\n\n")   # as the engine ends its failed streams
             else:
                 # Headers are out: the only honest signal left is an incomplete body.
                 if request.transport is not None:
@@ -524,7 +575,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap on requests open to one engine (set to its --max-num-seqs); unlimited if unset")
     parser.add_argument("--scrape-interval", type=_positive_float, default=1.0, metavar="S",
                         help="seconds between scrapes of each upstream's /metrics")
+    parser.add_argument("--eject-backoff", type=_positive_float, default=1.0, metavar="S",
+                        help="first ejection of a failing engine lasts this long before a /health probe; doubles "
+                             "on each failed probe")
+    parser.add_argument("--eject-max-backoff", type=_positive_float, default=30.0, metavar="S",
+                        help="cap on that backoff: an engine back on its address is re-admitted within about this long")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDMODEL_API_KEY"), metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' of clients on every path but --auth-exempt "
+                             "(default $PAGEDMODEL_API_KEY); forwarded to the engines as sent")
+    add_auth_arguments(parser)
+    add_limit_arguments(parser, engine=False)
 
 
 def _positive_float(text: str) -> float:
@@ -562,18 +623,26 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         burst=args.burst, client_rate_limit=args.client_rate_limit, client_burst=args.client_burst,
                         client_header=args.client_header, max_queue_len=args.max_queue_len,
                         queue_timeout=args.queue_timeout, max_inflight_per_upstream=args.max_inflight_per_upstream,
-                        scrape_interval=args.scrape_interval, tenant_header=args.tenant_header,
+                        scrape_interval=args.scrape_interval,
+                        eject_backoff=args.eject_backoff, eject_max_backoff=args.eject_max_backoff,
+                        tenant_header=args.tenant_header,
                         tenant_requests_per_minute=args.tenant_requests_per_minute,
                         tenant_tokens_per_minute=args.tenant_tokens_per_minute,
                         tenant_overrides=dict(args.tenant_limit), default_max_tokens=args.default_max_tokens,
-                        tokenizer=args.tokenizer, upstream_api_key=args.upstream_api_key)
+                        tokenizer=args.tokenizer, upstream_api_key=args.upstream_api_key,
+                        api_key=args.api_key or None, auth_exempt=args.auth_exempt, limits=limits_from_args(args))
 
 
 async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awaitable[None] | None] | None = None,
                 stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set (or forever). `ready(port)` is called once listening (tests use port 0)."""
-    runner = web.AppRunner(app.build(), handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_S)
+    limits = app.cfg.limits
+    # aiohttp bounds each head line (a longer one is its plain 400); http_guard.py bounds the whole head.
+    runner = web.AppRunner(app.build(), handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_S,
+                           keepalive_timeout=limits.keep_alive_timeout, max_line_size=limits.max_header_bytes,
+                           max_field_size=limits.max_header_bytes)
     await runner.setup()
+    app.http_server = runner.server
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = int(runner.addresses[0][1]) if runner.addresses else port

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -59,6 +59,8 @@ class Upstream:
     ejections: int = 0
     ejected_until: float | None = None   # None: in rotation
     draining: bool = False               # removed by discovery: no new requests, in-flight ones finish
+    # called on ejection: requests still waiting for this upstream's answer give up on it (app.py)
+    on_eject: set[Callable[[], None]] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def ejected(self) -> bool:
@@ -149,6 +151,8 @@ class UpstreamPool:
         up.ejected_until = self._clock() + backoff
         logger.warning("upstream %s ejected for %.1fs after %d consecutive failures",
                        up.url, backoff, up.consecutive_failures)
+        for callback in list(up.on_eject):
+            callback()
 
     def due_for_probe(self) -> list[Upstream]:
         now = self._clock()
