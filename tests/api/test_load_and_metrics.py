@@ -25,7 +25,8 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4   # layers x (k, v) x block size x kv head
 @pytest.fixture(scope="module")
 def small_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("small_server") / "server.log"
-    srv = ServerProcess(server_model_dir, log, "--served-model-name", MODEL, "--max-model-len", "512",
+    # float32 explicitly: BLOCK_BYTES is a float32 block, and --dtype auto is bf16 on AMX/AVX512-BF16 CPUs
+    srv = ServerProcess(server_model_dir, log, "--served-model-name", MODEL, "--max-model-len", "512", "--dtype", "float32",
                         "--kv-cache-memory", str(64 * BLOCK_BYTES), "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--max-queue-len", str(MAX_QUEUE_LEN))
     try:
