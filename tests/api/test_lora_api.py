@@ -40,7 +40,7 @@ def expected(server_model_dir, adapters) -> dict:
 def lora_server(server_model_dir, adapters, tmp_path_factory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("lora-server") / "serve.log"
     srv = ServerProcess(server_model_dir, log, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-                        "--lora-modules", f"a8={adapters['a8']}", "--served-model-name", "base")
+                        "--lora-modules", f"a8={adapters['a8']}", "--served-model-name", "base", "--dtype", "float32")
     try:
         yield srv.wait_ready()
     finally:
