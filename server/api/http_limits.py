@@ -127,14 +127,14 @@ def _over(param: str, message: str, code: str = "limit_exceeded") -> APIError:
 
 
 # ---------------------------------------------------------------------- CLI
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
@@ -153,28 +153,28 @@ def add_limit_arguments(parser: argparse.ArgumentParser, *, engine: bool) -> Non
     the engine can enforce (it alone tokenizes text prompts)."""
     d = HTTPLimits()
     g = parser.add_argument_group("limits (docs/limits.md)")
-    g.add_argument("--max-body-bytes", type=_positive_int, default=d.max_body_bytes,
+    g.add_argument("--max-body-bytes", type=positive_int, default=d.max_body_bytes,
                    help="largest request body; more is 413")
-    g.add_argument("--max-header-bytes", type=_positive_int, default=d.max_header_bytes,
+    g.add_argument("--max-header-bytes", type=positive_int, default=d.max_header_bytes,
                    help="largest request line + headers; more is 431")
     g.add_argument("--request-read-timeout", type=_positive_seconds, default=d.request_read_timeout, metavar="S",
                    help="seconds to receive a request's headers, and again its body; slower is 408")
     g.add_argument("--keep-alive-timeout", type=_positive_seconds, default=d.keep_alive_timeout, metavar="S",
                    help="seconds an idle keep-alive connection stays open")
-    g.add_argument("--max-connections", type=_positive_int, default=d.max_connections,
+    g.add_argument("--max-connections", type=positive_int, default=d.max_connections,
                    help="open client connections; a request on one past this gets 503 with Retry-After")
     g.add_argument("--stream-idle-timeout", type=_positive_seconds, default=d.stream_idle_timeout, metavar="S",
                    help="seconds a streamed response may send nothing before it is ended with an error event")
-    g.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
+    g.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                    help="longest prompt in tokens (default: --max-model-len)" if engine else
                         "longest token-id prompt (text prompts are counted by the engine)")
-    g.add_argument("--max-n", type=_positive_int, default=d.max_n, help=f"largest n (ceiling {MAX_N})")
-    g.add_argument("--max-best-of", type=_positive_int, default=d.max_best_of, help=f"largest best_of (ceiling {MAX_N})")
-    g.add_argument("--max-logprobs", type=_non_negative_int, default=d.max_logprobs,
+    g.add_argument("--max-n", type=positive_int, default=d.max_n, help=f"largest n (ceiling {MAX_N})")
+    g.add_argument("--max-best-of", type=positive_int, default=d.max_best_of, help=f"largest best_of (ceiling {MAX_N})")
+    g.add_argument("--max-logprobs", type=non_negative_int, default=d.max_logprobs,
                    help=f"largest logprobs / top_logprobs / prompt_logprobs (ceiling {MAX_LOGPROBS})")
-    g.add_argument("--max-stop-strings", type=_non_negative_int, default=d.max_stop_strings,
+    g.add_argument("--max-stop-strings", type=non_negative_int, default=d.max_stop_strings,
                    help=f"most stop strings (and stop_token_ids) per request (ceiling {MAX_STOP_STRINGS})")
-    g.add_argument("--max-stop-string-len", type=_positive_int, default=d.max_stop_string_len,
+    g.add_argument("--max-stop-string-len", type=positive_int, default=d.max_stop_string_len,
                    help=f"longest stop string in characters (ceiling {MAX_STOP_STRING_LEN})")
 
 

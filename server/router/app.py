@@ -34,7 +34,8 @@ from aiohttp import web
 
 from pagedmodel.server.api.api_key import DEFAULT_AUTH_EXEMPT, add_auth_arguments
 from pagedmodel.server.api.errors import UNSERVED_HEADER, APIError
-from pagedmodel.server.api.http_limits import HTTPLimits, add_limit_arguments, limits_from_args
+from pagedmodel.server.api.http_limits import (HTTPLimits, add_limit_arguments, limits_from_args, non_negative_int,
+                                               positive_int)
 from .admission import RateLimiter
 from .discovery import PodDiscovery, current_namespace
 from .http_guard import guard_middleware, read_json
@@ -536,7 +537,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="discover engine pods by Kubernetes label selector (Ready pods, watched)")
     parser.add_argument("--namespace", default=None,
                         help="namespace for --discover (default: the pod's own namespace)")
-    parser.add_argument("--discover-port", type=_positive_int, default=8000,
+    parser.add_argument("--discover-port", type=positive_int, default=8000,
                         help="engine port when a discovered pod declares no container port named http")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -549,11 +550,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default $PAGEDMODEL_UPSTREAM_API_KEY")
     parser.add_argument("--rate-limit", type=_positive_float, default=None, metavar="RPS",
                         help="global requests per second (token bucket); off when not given")
-    parser.add_argument("--burst", type=_positive_int, default=None,
+    parser.add_argument("--burst", type=positive_int, default=None,
                         help="global bucket size (default: ceil(--rate-limit))")
     parser.add_argument("--client-rate-limit", type=_positive_float, default=None, metavar="RPS",
                         help="per-client requests per second, keyed by API key or --client-header")
-    parser.add_argument("--client-burst", type=_positive_int, default=None)
+    parser.add_argument("--client-burst", type=positive_int, default=None)
     parser.add_argument("--client-header", default=None,
                         help="header naming the client for per-client limits (default: the bearer API key)")
     parser.add_argument("--tenant-header", default=None,
@@ -565,13 +566,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "settled by usage); off when not given")
     parser.add_argument("--tenant-limit", action="append", default=[], type=_tenant_limit,
                         metavar="NAME:requests=RPM,tokens=TPM", help="one tenant's own limits; repeatable")
-    parser.add_argument("--default-max-tokens", type=_positive_int, default=256,
+    parser.add_argument("--default-max-tokens", type=positive_int, default=256,
                         help="completion tokens reserved for a request that sets no max_tokens")
-    parser.add_argument("--max-queue-len", type=_non_negative_int, default=256,
+    parser.add_argument("--max-queue-len", type=non_negative_int, default=256,
                         help="requests that may wait for an upstream slot before 503")
     parser.add_argument("--queue-timeout", type=_positive_float, default=30.0, metavar="S",
                         help="seconds a request may wait in the queue before 503")
-    parser.add_argument("--max-inflight-per-upstream", type=_positive_int, default=None,
+    parser.add_argument("--max-inflight-per-upstream", type=positive_int, default=None,
                         help="cap on requests open to one engine (set to its --max-num-seqs); unlimited if unset")
     parser.add_argument("--scrape-interval", type=_positive_float, default=1.0, metavar="S",
                         help="seconds between scrapes of each upstream's /metrics")
@@ -600,20 +601,6 @@ def _tenant_limit(text: str) -> tuple[str, Limits]:
         return parse_tenant_limit(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
