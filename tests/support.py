@@ -5,9 +5,12 @@ benchmarks put tests/ on sys.path themselves.
 """
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,3 +69,21 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
             proc.kill()
             proc.wait(10)
     return proc.returncode
+
+
+def start_cli(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`python -m pagedmodel.cli ARGS` in the background, output to ``log``, one OpenMP thread."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+
+
+def assert_openai_error(status: int, body: bytes | str, expected: int, param: str | None = None) -> dict:
+    """The answer is ``expected`` with an OpenAI-style error body (naming ``param`` when given); returns it."""
+    assert status == expected, body
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and len(err["message"]) > 5
+    if param is not None:
+        assert err["param"] == param, err
+    return err

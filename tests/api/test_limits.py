@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from raw_http import connect, post_head, send_raw, trickle
+from support import assert_openai_error
 from .conftest import ServerProcess
 
 MODEL = "tiny-smol"
@@ -36,15 +37,6 @@ def limited(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         srv.stop()
 
 
-def assert_error(status: int, body: bytes | str, expected: int, param: str | None = None) -> dict:
-    assert status == expected, body
-    err = json.loads(body)["error"]
-    assert set(err) == {"message", "type", "param", "code"} and len(err["message"]) > 5
-    if param is not None:
-        assert err["param"] == param, err
-    return err
-
-
 FIELD_CASES = [
     ("n", {"n": 3, "temperature": 1.0}, "n"),
     ("best_of", {"n": 1, "best_of": 4, "temperature": 1.0}, "best_of"),
@@ -61,7 +53,7 @@ FIELD_CASES = [
 @pytest.mark.parametrize("name,fields,param", FIELD_CASES, ids=[c[0] for c in FIELD_CASES])
 def test_field_limits_are_400s_naming_the_field(limited: ServerProcess, name: str, fields: dict, param: str) -> None:
     r = httpx.post(limited.base_url + C, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}, timeout=30)
-    assert_error(r.status_code, r.text, 400, param)
+    assert_openai_error(r.status_code, r.text, 400, param)
 
 
 def test_at_the_limits_requests_are_served(limited: ServerProcess) -> None:
@@ -76,10 +68,10 @@ def test_100k_token_prompt_is_refused_without_tokenizing(limited: ServerProcess)
     """600 kB of text (100k tokens) over a 128 KiB body limit: 413; just under the limit, the character
     bound refuses it before the tokenizer runs."""
     r = httpx.post(limited.base_url + C, json={"model": MODEL, "prompt": "hello " * 100_000}, timeout=30)
-    assert_error(r.status_code, r.text, 413)
+    assert_openai_error(r.status_code, r.text, 413)
     started = time.monotonic()
     r = httpx.post(limited.base_url + C, json={"model": MODEL, "prompt": "hello " * 10_000}, timeout=30)
-    err = assert_error(r.status_code, r.text, 400, "prompt")
+    err = assert_openai_error(r.status_code, r.text, 400, "prompt")
     assert err["code"] == "context_length_exceeded"
     assert time.monotonic() - started < 10
 
@@ -88,7 +80,7 @@ def test_10mb_body_is_413_and_costs_no_memory(limited: ServerProcess) -> None:
     rss = limited.rss_bytes()
     body = b'{"prompt": "' + b"a" * (10 << 20) + b'"}'
     r = httpx.post(limited.base_url + C, content=body, headers={"Content-Type": "application/json"}, timeout=30)
-    assert_error(r.status_code, r.text, 413)
+    assert_openai_error(r.status_code, r.text, 413)
 
     def chunks() -> Iterator[bytes]:   # no Content-Length: counted as it streams, cut off at the limit
         yield b'{"prompt": "'
@@ -96,28 +88,28 @@ def test_10mb_body_is_413_and_costs_no_memory(limited: ServerProcess) -> None:
             yield b"a" * (1 << 20)
         yield b'"}'
     r = httpx.post(limited.base_url + C, content=chunks(), headers={"Content-Type": "application/json"}, timeout=30)
-    assert_error(r.status_code, r.text, 413)
+    assert_openai_error(r.status_code, r.text, 413)
     assert limited.rss_bytes() - rss < 32 << 20
 
 
 def test_oversized_headers_get_431(limited: ServerProcess) -> None:
     head = post_head(C, 2, extra="X-Filler: " + "a" * 8000 + "\r\n")
     r = send_raw(limited.port, head + b"{}")
-    err = assert_error(r.status or 0, r.body, 431)
+    err = assert_openai_error(r.status or 0, r.body, 431)
     assert err["code"] == "headers_too_large"
 
 
 def test_slow_loris_headers_get_408(limited: ServerProcess) -> None:
     r = trickle(limited.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", b"X-Slow: aaaaaaaa", every=0.2,
                 limit_s=15)
-    assert_error(r.status or 0, r.body, 408)
+    assert_openai_error(r.status or 0, r.body, 408)
     assert r.elapsed < READ_TIMEOUT + 3
 
 
 def test_slow_loris_body_gets_408(limited: ServerProcess) -> None:
     body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
     r = trickle(limited.port, post_head(C, len(body) + 50), body + b" " * 50, every=0.2, limit_s=15)
-    assert_error(r.status or 0, r.body, 408)
+    assert_openai_error(r.status or 0, r.body, 408)
     assert r.elapsed < READ_TIMEOUT + 3
 
 
@@ -134,7 +126,7 @@ def test_connections_past_the_limit_get_503_then_recover(limited: ServerProcess)
     try:
         time.sleep(0.1)
         r = httpx.get(limited.base_url + "/v1/models", timeout=10)
-        err = assert_error(r.status_code, r.text, 503)
+        err = assert_openai_error(r.status_code, r.text, 503)
         assert err["code"] == "too_many_connections" and r.headers["retry-after"] == "1"
     finally:
         for s in idle:

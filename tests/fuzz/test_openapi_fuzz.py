@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 
-from support import free_port, stop_process, wait_healthy
+from support import free_port, start_cli, stop_process, wait_healthy
 
 schemathesis = pytest.importorskip("schemathesis")   # the test extra; absent only outside `.[test]` installs
 from schemathesis import GenerationMode  # noqa: E402
@@ -33,25 +31,18 @@ EXAMPLES = int(os.environ.get("PAGEDMODEL_FUZZ_EXAMPLES", "25"))   # per operati
 SKIP = {("GET", "/v1/kv_events")}
 
 
-def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-
-
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     logs = tmp_path_factory.mktemp("fuzz")
     eport, rport = free_port(), free_port()
     urls = {"engine": f"http://127.0.0.1:{eport}", "router": f"http://127.0.0.1:{rport}"}
-    engine = _start(["serve", "--model", str(tiny_llama_dir), "--device", "cpu", "--host", "127.0.0.1",
+    engine = start_cli(["serve", "--model", str(tiny_llama_dir), "--device", "cpu", "--host", "127.0.0.1",
                      "--port", str(eport), "--max-model-len", "256", "--kv-cache-memory", str(8 << 20),
                      "--served-model-name", MODEL, "--api-key", KEY], logs / "engine.log")
     router = None
     try:
         wait_healthy(urls["engine"], engine, 180, logs / "engine.log")
-        router = _start(["router", "--upstream", urls["engine"], "--host", "127.0.0.1", "--port", str(rport),
+        router = start_cli(["router", "--upstream", urls["engine"], "--host", "127.0.0.1", "--port", str(rport),
                          "--api-key", KEY], logs / "router.log")
         wait_healthy(urls["router"], router, 60, logs / "router.log")
         yield urls

@@ -1,23 +1,13 @@
 """`pagedmodel router` in front of a real `pagedmodel serve` (tiny random Llama), driven by the openai SDK."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from support import free_port, stop_process, wait_healthy
-
-
-def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", *args], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
+from support import free_port, start_cli, stop_process, wait_healthy
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +15,13 @@ def engine_and_router(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFac
     logs = tmp_path_factory.mktemp("router_e2e")
     eport, rport = free_port(), free_port()
     engine_url, router_url = f"http://127.0.0.1:{eport}", f"http://127.0.0.1:{rport}"
-    engine = _start(["serve", "--model", str(tiny_llama_dir), "--device", "cpu", "--host", "127.0.0.1",
+    engine = start_cli(["serve", "--model", str(tiny_llama_dir), "--device", "cpu", "--host", "127.0.0.1",
                      "--port", str(eport), "--max-model-len", "256", "--kv-cache-memory", str(8 << 20),
                      "--served-model-name", "tiny-smol"], logs / "engine.log")
     router = None
     try:
         wait_healthy(engine_url, engine, 180, logs / "engine.log")
-        router = _start(["router", "--upstream", engine_url, "--host", "127.0.0.1", "--port", str(rport),
+        router = start_cli(["router", "--upstream", engine_url, "--host", "127.0.0.1", "--port", str(rport),
                          "--rate-limit", "100", "--burst", "100"], logs / "router.log")
         wait_healthy(router_url, router, 60, logs / "router.log")
         yield engine_url, router_url

@@ -11,6 +11,7 @@ import pytest
 
 from pagedmodel.server.api.http_limits import HTTPLimits
 from raw_http import connect, post_head, send_raw, trickle
+from support import assert_openai_error
 from fakes import FakeUpstream, run, running_router
 
 LIMITS = HTTPLimits(max_body_bytes=128 << 10, max_header_bytes=4096, request_read_timeout=1.0, keep_alive_timeout=1.0,
@@ -21,15 +22,6 @@ KEY = "router-key"
 
 def port_of(base: str) -> int:
     return int(base.rsplit(":", 1)[1])
-
-
-def check_error(status: int, body: bytes | str, expected: int, param: str | None = None) -> dict:
-    assert status == expected, body
-    err = json.loads(body)["error"]
-    assert set(err) == {"message", "type", "param", "code"} and len(err["message"]) > 5
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 async def limited_router(up: FakeUpstream, **cfg):
@@ -51,21 +43,21 @@ def test_field_limits_and_hostile_bodies_are_refused_before_the_upstream() -> No
         async with await limited_router(up) as (_app, base), aiohttp.ClientSession() as s:
             for fields, param in FIELDS:
                 async with s.post(base + "/v1/completions", json={"prompt": "x", **fields}) as r:
-                    check_error(r.status, await r.read(), 400, param)
+                    assert_openai_error(r.status, await r.read(), 400, param)
             hostile = [(b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400),   # deeply nested
                        (b'{"prompt": "\xff\xfe"}', 400),                                   # invalid UTF-8
                        (b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413)]                 # 10 MB
             for body, status in hostile:
                 async with s.post(base + "/v1/completions", data=body,
                                   headers={"Content-Type": "application/json"}) as r:
-                    check_error(r.status, await r.read(), status)
+                    assert_openai_error(r.status, await r.read(), status)
 
             async def chunks():
                 yield b'{"prompt": "'
                 for _ in range(10):
                     yield b"a" * (1 << 20)
             async with s.post(base + "/v1/completions", data=chunks()) as r:   # no Content-Length
-                check_error(r.status, await r.read(), 413)
+                assert_openai_error(r.status, await r.read(), 413)
             assert up.served == []
             async with s.post(base + "/v1/completions", json={"prompt": [7] * 32, "n": 2, "stop": ["12345678"]}) as r:
                 assert r.status == 200 and len(up.served) == 1
@@ -80,14 +72,14 @@ def test_slow_clients_and_big_heads_get_bounded_answers() -> None:
             port = port_of(base)
             heads = "".join(f"X-H{i}: {'a' * 60}\r\n" for i in range(80))   # 80 short lines, ~5.5 kB
             r = await asyncio.to_thread(send_raw, port, post_head("/v1/completions", 2, heads) + b"{}")
-            assert check_error(r.status or 0, r.body, 431)["code"] == "headers_too_large"
+            assert assert_openai_error(r.status or 0, r.body, 431)["code"] == "headers_too_large"
             # one line over the limit: aiohttp's parser refuses it (plain text) and closes
             r = await asyncio.to_thread(send_raw, port, post_head("/v1/completions", 2, f"X-Long: {'a' * 5000}\r\n"))
             assert r.status == 400
             body = json.dumps({"prompt": "x"}).encode()
             r = await asyncio.to_thread(trickle, port, post_head("/v1/completions", len(body) + 50), body + b" " * 50,
                                         0.2, 15)
-            check_error(r.status or 0, r.body, 408)
+            assert_openai_error(r.status or 0, r.body, 408)
             assert r.elapsed < LIMITS.request_read_timeout + 3
             # headers trickled: the connection is closed at the keep-alive timeout, unanswered
             r = await asyncio.to_thread(trickle, port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
@@ -105,7 +97,7 @@ def test_connections_past_the_limit_get_503_and_recover() -> None:
             idle = [await asyncio.to_thread(connect, port_of(base)) for _ in range(6)]
             await asyncio.sleep(0.1)
             async with s.post(base + "/v1/completions", json={"prompt": "x"}) as r:
-                err = check_error(r.status, await r.read(), 503)
+                err = assert_openai_error(r.status, await r.read(), 503)
                 assert err["code"] == "too_many_connections" and r.headers["Retry-After"] == "1"
             for sock in idle:
                 sock.close()
@@ -142,7 +134,7 @@ def test_api_key_guards_every_route_but_the_exempt_ones() -> None:
             for bad in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
                 for method, path in [("GET", p) for p in GET_ROUTES] + [("POST", p) for p in POST_ROUTES]:
                     async with s.request(method, base + path, json={"prompt": "x"}, headers=bad) as r:
-                        err = check_error(r.status, await r.read(), 401)
+                        err = assert_openai_error(r.status, await r.read(), 401)
                         assert err["code"] == "invalid_api_key" and r.headers["WWW-Authenticate"] == "Bearer"
             assert up.served == []
             for path in ("/health", "/ping", "/metrics"):
@@ -152,9 +144,9 @@ def test_api_key_guards_every_route_but_the_exempt_ones() -> None:
             async with s.post(base + "/v1/completions", json={"prompt": "x"}, headers=ok) as r:
                 assert r.status == 200 and (await r.json())["auth"] == f"Bearer {KEY}"   # forwarded as sent
             async with s.get(base + "/no/such/path", headers=ok) as r:
-                check_error(r.status, await r.read(), 404)
+                assert_openai_error(r.status, await r.read(), 404)
             async with s.delete(base + "/v1/completions", headers=ok) as r:
-                check_error(r.status, await r.read(), 405)
+                assert_openai_error(r.status, await r.read(), 405)
         await up.stop()
     run(main())
 
@@ -165,7 +157,7 @@ def test_auth_exempt_empty_guards_the_probes_too() -> None:
         async with await limited_router(up, api_key=KEY, auth_exempt=()) as (_app, base), aiohttp.ClientSession() as s:
             for path in ("/health", "/metrics"):
                 async with s.get(base + path) as r:
-                    check_error(r.status, await r.read(), 401)
+                    assert_openai_error(r.status, await r.read(), 401)
         await up.stop()
     run(main())
 
