@@ -34,7 +34,7 @@ def spec() -> dict[str, Any]:
     return {
         "model": {"source": "builtin://smollm2", "servedName": "smollm2"},
         "engine": {"maxNumSeqs": 4, "maxModelLen": KV_TOKENS, "kvCacheMemoryBytes": KV_BYTES, "swapSpaceGiB": 0,
-                   "device": "cpu"},
+                   "device": "cpu", "dtype": "float32"},   # KV_BYTES is sized for fp32 (auto is bf16 on AMX CPUs)
         "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"},
         "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetKVCacheUsage": 0.3,
                         "targetWaitingPerReplica": 2, "intervalSeconds": INTERVAL_S,

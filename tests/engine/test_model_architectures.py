@@ -38,7 +38,7 @@ def test_engine_matches_hf(tmp_path, smollm2_dir, arch, overrides):
     from tiny_models import make_tiny_model_dir
 
     model_dir = make_tiny_model_dir(tmp_path / arch, arch, tokenizer_dir=smollm2_dir, **overrides)
-    llm = LLM(str(model_dir), device="cpu", block_size=8, max_model_len=256, kv_cache_memory=8 << 20)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", block_size=8, max_model_len=256, kv_cache_memory=8 << 20)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         assert out.outputs[0].token_ids == hf_greedy(model_dir, prompt, 12), f"{arch} {overrides} prompt len {len(prompt)}"
