@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import names
+from .adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, adapter_volumes, lora_args, lora_enabled
 from .spec import parse_source, with_defaults
 
 MODEL_MOUNT = "/models"
@@ -72,6 +73,9 @@ def effective_engine(spec: dict[str, Any], observed: Observed) -> dict[str, Any]
     engine["extraArgs"] = list(engine.get("extraArgs") or [])
     if engine.get("device", "auto") == "auto":
         engine["device"] = "cuda" if spec["resources"]["gpus"] > 0 else "cpu"
+    if lora_enabled(spec):
+        engine.update(enableLora=True, maxLoras=engine.get("maxLoras", DEFAULT_MAX_LORAS),
+                      maxLoraRank=engine.get("maxLoraRank", DEFAULT_MAX_LORA_RANK))
     return engine
 
 
@@ -102,6 +106,7 @@ def engine_args(pm: dict[str, Any], spec: dict[str, Any], engine: dict[str, Any]
         args += ["--max-queue-len", str(engine["maxQueueLength"])]
     if engine["enablePrefixCaching"]:
         args.append("--enable-prefix-caching")
+    args += lora_args(spec)
     extra = list(engine.get("extraArgs") or [])
     if _drain_override(extra) is None:
         args += ["--shutdown-timeout", str(ENGINE_DRAIN_S)]
@@ -201,6 +206,9 @@ def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
     elif source.scheme == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source.name, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    adapter_vols, adapter_mounts = adapter_volumes(spec)
+    volumes += adapter_vols
+    mounts += adapter_mounts
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec["image"],

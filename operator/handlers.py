@@ -20,6 +20,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
 from . import names
+from .engine_adapters import HTTPAdapterAPI
 from .kube_client import Kube
 from .reconcile import Memory, reconcile
 from .scrape import http_fetch
@@ -50,6 +51,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig, metrics: Oper
     in `metrics` when given."""
     state: dict[str, Any] = {}
     memory = Memory()
+    adapter_api = HTTPAdapterAPI()
     if cfg.router not in ("auto", "enabled", "disabled"):
         raise ValueError(f"router must be auto, enabled or disabled, not {cfg.router!r}")
     router_enabled = cfg.router != "disabled"
@@ -79,7 +81,8 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig, metrics: Oper
         started = time.monotonic()
         try:
             outcome = reconcile(kube(), _plain(pm), router_enabled=router_enabled,
-                                fetch=http_fetch if scrape else None, bind_host=bind_host, memory=memory)
+                                fetch=http_fetch if scrape else None, bind_host=bind_host, memory=memory,
+                                adapters=adapter_api)
         except Exception as exc:     # counted, then kopf retries the handler after its backoff
             if metrics is not None:
                 metrics.record(pm["metadata"].get("namespace", ""), pm["metadata"].get("name", ""),

@@ -13,13 +13,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import names
+from .adapter_plan import adapter_status
+from .adapters import adapter_claims, desired_adapters, lora_enabled
+from .engine_adapters import AdapterAPI, sync_pods
 from .kube_client import Kube
 from .scrape import EngineSample, Fetch, aggregate, observe, parse_router_metrics, ready_pods, router_totals, scrape
 from .desired_state import Observed, desired_state, effective_engine, engine_replicas, service_url
 from .pass_report import PassReport, pass_report
 from .scaling import ScalingOutcome, ScrapeResult, epoch, plan, scrape_due
 from .spec import parse_source, validate, with_defaults
-from .status import compute_status
+from .status import compute_status, condition
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ def missing_dependencies(kube: Kube, namespace: str, spec: dict[str, Any]) -> li
     source = parse_source(spec["model"]["source"])
     if source.scheme == "pvc" and not kube.exists(namespace, "persistentvolumeclaims", source.name):
         missing.append(f"PersistentVolumeClaim {source.name!r} (spec.model.source) not found")
+    for claim in adapter_claims(spec):
+        if not kube.exists(namespace, "persistentvolumeclaims", claim):
+            missing.append(f"PersistentVolumeClaim {claim!r} (spec.adapters) not found")
     for secret in spec.get("imagePullSecrets") or []:
         if not kube.exists(namespace, "secrets", secret):
             missing.append(f"Secret {secret!r} (spec.imagePullSecrets) not found")
@@ -156,11 +162,38 @@ def _carry_status(status: dict[str, Any], old_status: dict[str, Any], scaling: S
         status["metrics"] = {**old_status["metrics"], "stale": stale or bool(old_status["metrics"].get("stale"))}
 
 
+def _sync_adapters(spec: dict[str, Any], pm: dict[str, Any], pods: list[dict[str, Any]], api: AdapterAPI | None,
+                   status: dict[str, Any], events: list[Event], now: str) -> None:
+    """Load and unload spec.adapters on every ready engine that runs with --enable-lora (pods of an older
+    template without it are left to the rollout), then report per adapter. Without LoRA the adapter
+    fields are cleared (None: the handler's merge patch deletes them)."""
+    if not lora_enabled(spec):
+        status.update({k: None for k in ("adapters", "adaptersReady") if k in (pm.get("status") or {})})
+        return
+    if api is None:
+        return
+    lora_pods = [p for p in pods if "--enable-lora" in _engine_args(p)]
+    results = sync_pods(api, ready_pods(lora_pods), desired_adapters(spec))
+    report = adapter_status(desired_adapters(spec), results, pm.get("status") or {})
+    status.update(report.status)
+    previous = {c.get("type"): c for c in (pm.get("status") or {}).get("conditions") or [] if isinstance(c, dict)}
+    ok, reason, message = report.condition
+    status["conditions"].append(condition(previous, "AdaptersReady", ok, reason, message,
+                                          int(pm["metadata"].get("generation") or 0), now))
+    events += [Event(e.type, e.reason, e.message) for e in report.events]
+
+
+def _engine_args(pod: dict[str, Any]) -> list[str]:
+    containers = (pod.get("spec") or {}).get("containers") or []
+    return list((containers[0].get("args") or []) if containers else [])
+
+
 def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None,
               fetch: Fetch | None = None, bind_host: str = "0.0.0.0", memory: Memory | None = None,
-              clock: float | None = None) -> Outcome:
+              clock: float | None = None, adapters: AdapterAPI | None = None) -> Outcome:
     """One pass. With `fetch` (URL -> text) the ready engines are scraped when spec.autoscaling.intervalSeconds
-    has passed since the last scrape, and the autoscaler and tuner decide on the fresh observation."""
+    has passed since the last scrape, and the autoscaler and tuner decide on the fresh observation. With
+    `adapters` (the engines' adapter API) spec.adapters is loaded into every ready engine."""
     clock = clock if clock is not None else (epoch(now) if now else time.time())
     now = now or now_iso()
     memory = memory if memory is not None else Memory()
@@ -169,7 +202,7 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
     old_status = pm.get("status") or {}
     selector = names.selector_string(model, names.ENGINE)
     spec = with_defaults(pm.get("spec"))
-    errors = [str(e) for e in validate(spec)]
+    errors = [str(e) for e in validate(spec, model)]
     if errors:
         return _invalid(pm, errors, selector, now)
 
@@ -206,6 +239,7 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
                             url=service_url(pm), engine={k: v for k, v in sorted(engine.items())},
                             deployment=kube.get(engine_path), pods=pods, blocked=blocked, now=now)
     _carry_status(status, old_status, scaling, result, now)
+    _sync_adapters(spec, pm, pods, adapters, status, events, now)
     if blocked and (old_status.get("message") != status["message"]):
         events.append(Event("Warning", "MissingDependency", status["message"]))
     if old_status.get("phase") != status["phase"] and not blocked:

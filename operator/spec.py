@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .adapters import LORA_FLAGS, adapter_errors
 from .validation import is_int, is_num
 
 DEFAULTS: dict[str, Any] = {
@@ -42,7 +43,7 @@ MANAGED_FLAGS = frozenset({
     "--model", "--host", "--port", "--served-model-name", "--block-size", "--max-num-seqs", "--max-model-len",
     "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-memory", "--swap-space",
     "--enable-prefix-caching", "--preemption-mode", "--dtype", "--device", "--max-queue-len",
-})
+}) | LORA_FLAGS
 
 _SOURCE = re.compile(r"^(?P<scheme>builtin|pvc|hf)://(?P<rest>.+)$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -150,6 +151,8 @@ FIELD_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("engine", "device"): _one_of(*DEVICES),
     ("engine", "maxQueueLength"): _int_in(1),
     ("engine", "extraArgs"): _STR_LIST,
+    ("engine", "maxLoras"): _int_in(1, 64),
+    ("engine", "maxLoraRank"): _int_in(1, 512),
     ("resources", "gpus"): _int_in(0, 16),
     ("resources", "gpuResourceName"): ((lambda v: isinstance(v, str) and bool(_RESOURCE_NAME.match(v))),
                                        "must be an extended resource name such as nvidia.com/gpu"),
@@ -184,8 +187,9 @@ FIELD_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
 SECTIONS = ("model", "engine", "resources", "autoscaling", "tuning", "router", "service", "probes", "scheduling")
 
 
-def validate(spec: dict[str, Any]) -> list[SpecError]:
-    """Every rule a defaulted spec breaks; empty when the operator can serve it."""
+def validate(spec: dict[str, Any], model_name: str = "") -> list[SpecError]:
+    """Every rule a defaulted spec breaks; empty when the operator can serve it. `model_name` is the PagedModel's,
+    the served model name when spec.model.servedName is absent (an adapter may not take it)."""
     errors: list[SpecError] = []
     if not isinstance(spec, dict):
         return [SpecError("spec", "must be an object")]
@@ -206,6 +210,10 @@ def validate(spec: dict[str, Any]) -> list[SpecError]:
             parse_source(model["source"])
         except ValueError as exc:
             errors.append(SpecError("spec.model.source", str(exc)))
+
+    if "adapters" in spec:
+        served = model.get("servedName") if isinstance(model, dict) and model.get("servedName") else model_name
+        errors += [SpecError(f, m) for f, m in adapter_errors(spec["adapters"], served)]
 
     engine = spec.get("engine") if isinstance(spec.get("engine"), dict) else {}
     extra = engine.get("extraArgs")

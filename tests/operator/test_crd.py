@@ -29,11 +29,11 @@ def test_status_and_scale_subresources(crd):
 
 def test_printer_columns(crd):
     cols = crd["spec"]["versions"][0]["additionalPrinterColumns"]
-    assert [c["name"] for c in cols] == ["Model", "Ready", "KV%", "Waiting", "Phase", "Age", "URL"]
+    assert [c["name"] for c in cols] == ["Model", "Ready", "KV%", "Waiting", "Adapters", "Phase", "Age", "URL"]
     assert [c["jsonPath"] for c in cols] == [".spec.model.source", ".status.ready", ".status.metrics.kvCachePercent",
-                                             ".status.metrics.waiting", ".status.phase", ".metadata.creationTimestamp",
-                                             ".status.url"]
-    assert [c.get("priority", 0) for c in cols] == [0, 0, 0, 0, 0, 0, 1]      # URL only with -o wide
+                                             ".status.metrics.waiting", ".status.adaptersReady", ".status.phase",
+                                             ".metadata.creationTimestamp", ".status.url"]
+    assert [c.get("priority", 0) for c in cols] == [0, 0, 0, 0, 0, 0, 0, 1]      # URL only with -o wide
 
 
 def test_every_field_is_described_and_typed(crd_schema):
