@@ -150,6 +150,11 @@ ROUTER_UPSTREAM_HEALTHY = _router("pagedmodel_router_upstream_healthy", "gauge",
                                   "1 when the upstream is in rotation, 0 ejected.", ("upstream",))
 ROUTER_RETRIES = _router("pagedmodel_router_retries", "counter",
                          "Requests re-sent to another upstream after a connection failure.")
+# adapter affinity (server/router/adapter_affinity.py): outcome hit, free_slot, no_slot, unverified, not_served
+ROUTER_ADAPTER_ROUTING = _router("pagedmodel_router_adapter_routing", "counter",
+                                 "Requests naming a LoRA adapter, by where the router sent them (hit: where it was "
+                                 "resident; free_slot / no_slot: where it had to be loaded) or not_served (404).",
+                                 ("outcome",))
 # what a soak watches for leaks (benchmarks/soak.py): these must return to their idle level
 ROUTER_CLIENT_CONNECTIONS = _router("pagedmodel_router_client_connections", "gauge",
                                     "Open client connections to the router.")

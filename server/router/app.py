@@ -36,10 +36,12 @@ from pagedmodel.server.api.api_key import DEFAULT_AUTH_EXEMPT, add_auth_argument
 from pagedmodel.server.api.errors import UNSERVED_HEADER, APIError
 from pagedmodel.server.api.http_limits import (HTTPLimits, add_limit_arguments, limits_from_args, non_negative_int,
                                                positive_int)
+from .adapter_affinity import Outcome, Served, choose, is_served, served_names
 from .admission import RateLimiter
 from .discovery import PodDiscovery, current_namespace
 from .http_guard import guard_middleware, read_json
 from .metrics import RouterMetrics
+from .model_catalog import ModelCatalog
 from .prefix_cache import PrefixCacheRouting
 from .prefix_index import PromptChains
 from .prompt_tokens import load_tokenizer
@@ -58,6 +60,8 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 # On SIGTERM the router stops accepting and gives running requests (streams relayed from engines) this
 # long; the operator's router pods get a grace period above it (operator/desired_state.py).
 DRAIN_S = 60.0
+# The engine answers these for the model (base or LoRA adapter) the body's `model` names, 404 for others.
+_MODEL_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 class UpstreamEjected(ConnectionError):
     """The upstream was ejected (dead or hung) while a request waited for its answer."""
 
@@ -147,6 +151,7 @@ class _Pending:
     upstream: Upstream | None = None
     admission: Admission | None = None
     exclude: set[str] = field(default_factory=set)
+    model: str | None = None             # the request's `model`: only upstreams serving it may take it
 
 
 class RouterApp:
@@ -170,6 +175,7 @@ class RouterApp:
                                    client_burst=cfg.client_burst, client_header=cfg.client_header, clock=clock)
         self.queue = AdmissionQueue(cfg.max_queue_len, cfg.queue_timeout, clock=clock)
         self.router = Router(cfg.strategy)
+        self.catalog = ModelCatalog(self.pool, api_key=cfg.upstream_api_key, clock=clock)
         self.metrics = RouterMetrics()
         limits = Limits(cfg.tenant_requests_per_minute, cfg.tenant_tokens_per_minute)
         self.tenancy = Tenancy(TenantLimiter(limits, overrides=cfg.tenant_overrides, header=cfg.tenant_header,
@@ -189,7 +195,7 @@ class RouterApp:
         app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[guard])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models", self.models_list)
         app.router.add_post("/v1/{tail:.+}", self.proxy_post)
         # vLLM's serving surface, passed through as the /v1 routes are; /ping is the router's own liveness
         app.router.add_post("/tokenize", self.proxy_post)
@@ -236,6 +242,7 @@ class RouterApp:
                 pass
         if self.prefix_cache is not None:
             await self.prefix_cache.close()
+        await self.catalog.close()
         if self.session:
             await self.session.close()
 
@@ -244,7 +251,10 @@ class RouterApp:
         assert self.session is not None
         while True:
             try:
-                await scrape_once(self.pool, self.session, timeout=max(1.0, self.cfg.scrape_interval * 2))
+                timeout = max(1.0, self.cfg.scrape_interval * 2)
+                self.catalog.timeout = timeout
+                await asyncio.gather(scrape_once(self.pool, self.session, timeout=timeout),
+                                     self.catalog.refresh_after(self.clock(), self.session))
                 self.queue.expire()
                 if self.prefix_cache is not None:   # a drained upstream leaves the pool between changes
                     self.prefix_cache.sync(self.pool.upstreams)
@@ -290,15 +300,19 @@ class RouterApp:
     # admission
 
     def _pick(self, prompt: str, exclude: set[str] = frozenset(),  # type: ignore[assignment]
-              chains: PromptChains | None = None) -> Upstream | None:
-        candidates = [u for u in self.pool.available() if u.url not in exclude] or self.pool.available()
-        views = [u.view() for u in candidates]
+              chains: PromptChains | None = None, model: str | None = None) -> Upstream | None:
+        # Adapter affinity first (only upstreams serving `model`, resident ones preferred), then a retry
+        # avoids the upstreams it already tried where it can, then the strategy scores what is left.
+        affinity = choose(model, [u.view() for u in self.pool.available()], self.catalog.servings())
+        views = [v for v in affinity.candidates if v.url not in exclude] or affinity.candidates
         if self.prefix_cache is not None:
             views = self.prefix_cache.annotate(views, chains)
         view = self.router.pick(views, prompt)
         if view is None:
             return None
-        if self.prefix_cache is not None:   # every pick is acquired at once by the caller
+        if affinity.outcome not in (Outcome.BASE, Outcome.NONE):   # every pick is acquired by the caller
+            self.metrics.adapter_routing.labels(affinity.outcome.value).inc()
+        if self.prefix_cache is not None:
             self.prefix_cache.routed(view.url, chains)
         return self.pool.upstreams.get(view.url)
 
@@ -307,7 +321,7 @@ class RouterApp:
         self.queue.expire()
         while (ticket := self.queue.peek()) is not None:
             pending: _Pending = ticket.payload
-            up = self._pick(pending.prompt, pending.exclude, pending.chains)
+            up = self._pick(pending.prompt, pending.exclude, pending.chains, pending.model)
             if up is None:
                 break
             self.pool.acquire(up)
@@ -318,16 +332,16 @@ class RouterApp:
         self.metrics.queue_length.set(len(self.queue))
 
     async def _acquire(self, priority: int, prompt: str, exclude: set[str], adm: Admission | None,
-                       chains: PromptChains | None = None) -> Upstream:
+                       chains: PromptChains | None = None, model: str | None = None) -> Upstream:
         """A slot on an upstream: at once when one is free and nobody waits, else through the queue."""
         if len(self.queue) == 0:
-            up = self._pick(prompt, exclude, chains)
+            up = self._pick(prompt, exclude, chains, model)
             if up is not None:
                 self.pool.acquire(up)
                 if adm is not None:
                     self.tenancy.dispatched(adm, queued=False)
                 return up
-        pending = _Pending(prompt, chains=chains, exclude=exclude, admission=adm)
+        pending = _Pending(prompt, chains=chains, exclude=exclude, admission=adm, model=model)
         ticket: Ticket = self.queue.enqueue(priority, with_future=True, payload=pending,
                                             tenant=adm.tenant if adm else "", cost=adm.reserved if adm else 0)
         self.metrics.queue_length.set(len(self.queue))
@@ -361,8 +375,33 @@ class RouterApp:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        """Served models (or /version), from any ready upstream (they all serve the same model)."""
+        """/version and /openapi.json, from any ready upstream (they all run the same server)."""
         return await self._forward(request, "GET", b"", priority=0, prompt="", adm=None)
+
+    async def models_list(self, request: web.Request) -> web.StreamResponse:
+        """The union of what the upstreams serve (base model + each one's adapters), freshly asked; passed
+        through from any ready upstream while the router cannot read their lists (e.g. no --upstream-api-key)."""
+        assert self.session is not None
+        await self.catalog.refresh_after(self.clock(), self.session)
+        cards = self.catalog.cards()
+        if cards is None:
+            return await self.models(request)
+        return self._count(web.json_response({"object": "list", "data": cards}))
+
+    async def _unserved_model(self, model: str) -> web.Response | None:
+        """404 model_not_found for a name no upstream lists, after asking them all once more (it may have
+        been loaded a moment ago); None when some upstream serves it or none has answered yet."""
+        if is_served(model, self.catalog.servings()) is not Served.NO:
+            return None
+        assert self.session is not None
+        await self.catalog.refresh_after(self.clock(), self.session)
+        servings = self.catalog.servings()
+        if is_served(model, servings) is not Served.NO:
+            return None
+        self.metrics.adapter_routing.labels("not_served").inc()
+        names = ", ".join(f"`{n}`" for n in served_names(servings))
+        return _error(404, f"The model `{model}` does not exist. The replicas behind this router serve {names}.",
+                      code="model_not_found", param="model")
 
     async def proxy_post(self, request: web.Request) -> web.StreamResponse:
         payload, body = await read_json(request, self.cfg.limits)   # an APIError leaves through the guard
@@ -376,13 +415,16 @@ class RouterApp:
             return self._count(_error(429, f"rate limit exceeded ({decision.scope}); retry after "
                                            f"{decision.retry_after}s", code="rate_limit_exceeded",
                                       retry_after=decision.retry_after))
+        model = payload.get("model") if request.path in _MODEL_PATHS and isinstance(payload.get("model"), str) else None
+        if model is not None and (missing := await self._unserved_model(model)) is not None:
+            return self._count(missing)
         adm = self.tenancy.admit(request.headers, payload, generates=request.path.endswith("/completions"))
         if isinstance(adm, TokenDecision):
             return self._count(self._tenant_refusal(adm))
         try:
             chains = await self.prefix_cache.chains(request.path, payload) if self.prefix_cache is not None else None
             return await self._forward(request, "POST", body, priority=priority, prompt=_prompt_key(payload), adm=adm,
-                                       chains=chains)
+                                       chains=chains, model=model)
         finally:
             self.tenancy.finish(adm)
 
@@ -398,14 +440,14 @@ class RouterApp:
 
     async def _forward(self, request: web.Request, method: str, body: bytes, *, priority: int,
                        prompt: str, adm: Admission | None,
-                       chains: PromptChains | None = None) -> web.StreamResponse:
+                       chains: PromptChains | None = None, model: str | None = None) -> web.StreamResponse:
         assert self.session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         tried: set[str] = set()
         unserved: str | None = None   # the last attempt's refusal, when an engine refused it unstarted
         for attempt in range(self.cfg.max_attempts):
             try:
-                up = await self._acquire(priority, prompt, tried, adm, chains)
+                up = await self._acquire(priority, prompt, tried, adm, chains, model)
             except QueueFull as exc:
                 return self._count(_error(503, "router queue is full", code="queue_full",
                                           retry_after=exc.retry_after))

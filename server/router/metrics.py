@@ -40,6 +40,7 @@ class RouterMetrics:
         self.queue_time = mc.register(mc.ROUTER_QUEUE_TIME, r)
         self.healthy = mc.register(mc.ROUTER_UPSTREAM_HEALTHY, r)
         self.retries = mc.register(mc.ROUTER_RETRIES, r)
+        self.adapter_routing = mc.register(mc.ROUTER_ADAPTER_ROUTING, r)
         self.tenant_requests = mc.register(mc.ROUTER_TENANT_REQUESTS, r)
         self.tenant_tokens = mc.register(mc.ROUTER_TENANT_TOKENS, r)
         self.arrival_requests = mc.register(mc.ROUTER_ARRIVAL_REQUESTS, r)

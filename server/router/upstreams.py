@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from pagedmodel import metrics_contract as mc
+from .adapter_affinity import ModelServing, parse_lora_info, parse_models
 from .admission import Clock
 from .strategies import UpstreamView
 
@@ -59,6 +60,14 @@ class Upstream:
     ejections: int = 0
     ejected_until: float | None = None   # None: in rotation
     draining: bool = False               # removed by discovery: no new requests, in-flight ones finish
+    # what it serves (model_catalog.py: its /v1/models cards, None until fetched) and its LoRA slots' use
+    # (scraped vllm:lora_requests_info); adapter_affinity.py decides with them
+    model_cards: list[dict] | None = field(default=None, repr=False)
+    served_models: frozenset[str] | None = None
+    base_model: str | None = None
+    lora_running: frozenset[str] = frozenset()
+    lora_waiting: frozenset[str] = frozenset()
+    max_lora: int | None = None
     # called on ejection: requests still waiting for this upstream's answer give up on it (app.py)
     on_eject: set[Callable[[], None]] = field(default_factory=set, repr=False, compare=False)
 
@@ -71,6 +80,14 @@ class Upstream:
 
     def view(self) -> UpstreamView:
         return UpstreamView(self.url, self.inflight, self.max_inflight, self.kv_usage, self.waiting, self.running)
+
+    def set_models(self, cards: list[dict] | None) -> None:
+        """Its /v1/models cards (validated by the caller), or None: what it serves is unknown."""
+        self.model_cards = cards
+        self.served_models, self.base_model = parse_models({"data": cards}) if cards is not None else (None, None)
+
+    def serving(self) -> ModelServing:
+        return ModelServing(self.served_models, self.base_model, self.lora_running, self.lora_waiting, self.max_lora)
 
 
 class UpstreamPool:
@@ -180,6 +197,7 @@ class UpstreamPool:
         up.kv_usage = values.get("kv_usage")
         up.waiting = values.get("waiting")
         up.running = values.get("running")
+        up.lora_running, up.lora_waiting, up.max_lora = parse_lora_info(metrics_text)
         up.scraped_at = self._clock()
 
     def expire_stale(self) -> None:
@@ -188,6 +206,7 @@ class UpstreamPool:
         for up in self.upstreams.values():
             if up.scraped_at is not None and now - up.scraped_at > self.stale_after:
                 up.kv_usage = up.waiting = up.running = None
+                up.lora_running = up.lora_waiting = frozenset()
                 up.scraped_at = None
 
 
