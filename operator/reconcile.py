@@ -173,8 +173,8 @@ def _sync_adapters(spec: dict[str, Any], pm: dict[str, Any], pods: list[dict[str
     if api is None:
         return
     lora_pods = [p for p in pods if "--enable-lora" in _engine_args(p)]
-    results = sync_pods(api, ready_pods(lora_pods), desired_adapters(spec))
-    report = adapter_status(desired_adapters(spec), results, pm.get("status") or {})
+    desired = desired_adapters(spec)
+    report = adapter_status(desired, sync_pods(api, ready_pods(lora_pods), desired), pm.get("status") or {})
     status.update(report.status)
     previous = {c.get("type"): c for c in (pm.get("status") or {}).get("conditions") or [] if isinstance(c, dict)}
     ok, reason, message = report.condition
