@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>` dumps every thread's stack
+    from .allocator import tune_malloc
+    tune_malloc()   # before the weights load and the engine's threads start (allocator.py says why)
     try:
         engine_args = EngineArgs.from_cli_args(args)
         limits = limits_from_args(args)
