@@ -323,13 +323,32 @@ class RouterApp:
             pending: _Pending = ticket.payload
             up = self._pick(pending.prompt, pending.exclude, pending.chains, pending.model)
             if up is None:
-                break
+                ticket, up = self._first_placeable_behind()
+                if ticket is None or up is None:
+                    break
+                pending = ticket.payload
             self.pool.acquire(up)
             pending.upstream = up
-            self.queue.grant_next()
+            self.queue.grant(ticket)
             if pending.admission is not None:
                 self.tenancy.dispatched(pending.admission, queued=True)
         self.metrics.queue_length.set(len(self.queue))
+
+    def _first_placeable_behind(self) -> tuple[Ticket | None, Upstream | None]:
+        """The most urgent queued request some free upstream serves, when the head's model has none free
+        (its only replicas are full): a request for another model must not wait behind it."""
+        blocked: set[str | None] = set()   # a model's pick does not depend on the request otherwise
+        for ticket in self.queue.waiting_in_order():
+            pending: _Pending = ticket.payload
+            if pending.model in blocked:
+                continue
+            up = self._pick(pending.prompt, pending.exclude, pending.chains, pending.model)
+            if up is not None:
+                return ticket, up
+            if pending.model is None:   # nothing is free at all
+                break
+            blocked.add(pending.model)
+        return None, None
 
     async def _acquire(self, priority: int, prompt: str, exclude: set[str], adm: Admission | None,
                        chains: PromptChains | None = None, model: str | None = None) -> Upstream:

@@ -132,14 +132,24 @@ class AdmissionQueue:
     def grant_next(self) -> Ticket | None:
         """Let the next request proceed (call expire() first to drop overdue ones); charges its tenant."""
         ticket = self.peek()
-        if ticket is None:
-            return None
-        self._lanes[ticket.priority][ticket.tenant].popleft()
+        if ticket is not None:
+            self.grant(ticket)
+        return ticket
+
+    def waiting_in_order(self) -> list[Ticket]:
+        """Every waiting request in the order grant_next would take them if no counter changed."""
+        return sorted(self._tickets(), key=lambda t: (t.priority, self.counters[t.tenant], t.seq))
+
+    def grant(self, ticket: Ticket) -> None:
+        """Let this waiting request proceed, at its turn or ahead of it (the router had no upstream for the
+        requests before it: they ask for a model only full replicas serve); charges its tenant."""
+        if ticket.state != "waiting":
+            raise ValueError(f"ticket {ticket.seq} is {ticket.state}, not waiting")
+        self._lanes[ticket.priority][ticket.tenant].remove(ticket)
         self._leave(ticket, "granted")
         self.counters.charge(ticket.tenant, ticket.cost)
         if ticket.future is not None and not ticket.future.done():
             ticket.future.set_result(None)
-        return ticket
 
     def cancel(self, ticket: Ticket) -> bool:
         """Remove a waiting request (its client went away). False if it already left the queue."""

@@ -228,3 +228,40 @@ def test_models_list_with_no_upstream_answering_falls_back_to_forwarding():
                 assert r.status in (502, 503)
                 json.loads(await r.read())
     run(main())
+
+
+def test_a_request_for_a_free_model_is_not_held_behind_one_whose_replica_is_full():
+    async def main():
+        e1, e2 = AdapterEngine("e1", {"sql"}), AdapterEngine("e2", set())
+        await _engines(e1, e2)
+        e1.hold = asyncio.Event()
+        async with running_router(upstreams=[e1.url, e2.url], max_inflight_per_upstream=1) as (app, base), \
+                aiohttp.ClientSession() as s:
+            await _until_known(app, 2)
+            first = asyncio.create_task(_complete(s, base, "sql"))
+            await eventually(lambda: len(e1.served) == 1)
+            blocked = asyncio.create_task(_complete(s, base, "sql"))   # e1 is full: it queues
+            await eventually(lambda: len(app.queue) == 1)
+            # the base model behind it: e2 is free, so it is served now, while sql still waits for e1
+            assert await asyncio.wait_for(_complete(s, base, "base"), 10) == (200, {"upstream": "e2", "model": "base"})
+            assert len(app.queue) == 1 and not blocked.done()
+            e1.hold.set()
+            assert (await first)[1]["upstream"] == "e1" and (await blocked)[1]["upstream"] == "e1"
+        for e in (e1, e2):
+            await e.stop()
+    run(main())
+
+
+def test_queue_grants_a_ticket_out_of_turn_and_lists_the_waiting_in_order():
+    from pagedmodel.server.router.queue import AdmissionQueue
+
+    async def main():
+        q = AdmissionQueue(8, 30.0)
+        a, b, c = q.enqueue(0, with_future=True), q.enqueue(0, with_future=True), q.enqueue(-1, with_future=True)
+        assert q.waiting_in_order() == [c, a, b]
+        q.grant(b)
+        assert b.state == "granted" and b.future.done() and len(q) == 2
+        assert q.waiting_in_order() == [c, a] and q.grant_next() is c and q.grant_next() is a
+        with pytest.raises(ValueError):
+            q.grant(b)
+    run(main())
