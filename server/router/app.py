@@ -39,7 +39,7 @@ from pagedmodel.server.api.http_limits import (HTTPLimits, add_limit_arguments, 
 from .adapter_affinity import Outcome, Served, choose, is_served, served_names
 from .admission import RateLimiter
 from .discovery import PodDiscovery, current_namespace
-from .http_guard import guard_middleware, read_json
+from .http_guard import JSONErrorsAppRunner, guard_middleware, read_json
 from .metrics import RouterMetrics
 from .model_catalog import ModelCatalog
 from .prefix_cache import PrefixCacheRouting
@@ -685,10 +685,10 @@ async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awa
                 stop: asyncio.Event | None = None) -> None:
     """Run until `stop` is set (or forever). `ready(port)` is called once listening (tests use port 0)."""
     limits = app.cfg.limits
-    # aiohttp bounds each head line (a longer one is its plain 400); http_guard.py bounds the whole head.
-    runner = web.AppRunner(app.build(), handler_cancellation=True, access_log=None, shutdown_timeout=DRAIN_S,
-                           keepalive_timeout=limits.keep_alive_timeout, max_line_size=limits.max_header_bytes,
-                           max_field_size=limits.max_header_bytes)
+    # aiohttp bounds each head line (a longer one is a JSON 431 through the runner), http_guard.py the whole head.
+    runner = JSONErrorsAppRunner(app.build(), max_header_bytes=limits.max_header_bytes, handler_cancellation=True,
+                                 access_log=None, shutdown_timeout=DRAIN_S, keepalive_timeout=limits.keep_alive_timeout,
+                                 max_line_size=limits.max_header_bytes, max_field_size=limits.max_header_bytes)
     await runner.setup()
     app.http_server = runner.server
     site = web.TCPSite(runner, host, port)

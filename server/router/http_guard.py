@@ -2,7 +2,9 @@
 the head's size, and (for POSTs) the body's size, arrival time, JSON and field limits — the engine's
 limits and messages (pagedmodel.server.api.http_limits), so both servers answer alike.
 
-Every refusal, and aiohttp's own 404/405, leaves as the OpenAI error body.
+Every refusal, aiohttp's own 404/405 and the errors its HTTP parser raises before any handler runs (one
+header line over --max-header-bytes: 431; a malformed request line or header: 400) leave as the OpenAI
+error body (`JSONErrorsAppRunner`).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
+from aiohttp.web_protocol import RequestHandler
 
 from pagedmodel.server.api.api_key import key_matches, unauthorized
 from pagedmodel.server.api.errors import APIError
@@ -56,6 +60,52 @@ def guard_middleware(limits: HTTPLimits, api_key: str | None, auth_exempt: tuple
                                                  headers={k: v for k, v in exc.headers.items()
                                                           if k.lower() == "allow"})))
     return guard
+
+
+def protocol_error(status: int, exc: BaseException | None, max_header_bytes: int) -> APIError:
+    """The OpenAI-style error for what aiohttp's parser refused (or, status 500, an error outside any handler)."""
+    if isinstance(exc, LineTooLong):
+        return APIError(431, f"a request line or header exceeds the limit of {max_header_bytes} bytes "
+                             f"(--max-header-bytes)", code="headers_too_large")
+    if status >= 500:
+        return APIError(500, "internal server error", code="internal_error")
+    reason = getattr(exc, "message", None) or "malformed HTTP request"
+    return APIError(status, f"bad HTTP request: {reason}", code="invalid_http_request")
+
+
+class _JSONErrorsRequestHandler(RequestHandler):
+    """aiohttp's connection handler, whose own error answers (the parser's 400s, a 500 outside any
+    handler) are JSON bodies instead of plain text; it still logs them and closes the connection."""
+    max_header_bytes = 0   # set on the subclass JSONErrorsAppRunner makes
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)   # logs; raises if a response was already started
+        resp = error_response(protocol_error(status, exc, self.max_header_bytes))
+        resp.force_close()
+        return resp
+
+
+class _JSONErrorsServer(web.Server):
+    handler_class: type[RequestHandler] = _JSONErrorsRequestHandler
+
+    def __call__(self) -> RequestHandler:
+        return self.handler_class(self, loop=self._loop, **self._kwargs)
+
+
+class JSONErrorsAppRunner(web.AppRunner):
+    """`web.AppRunner` whose connections answer HTTP-level errors with the OpenAI error body."""
+
+    def __init__(self, app: web.Application, *, max_header_bytes: int, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._max_header_bytes = max_header_bytes
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        handler = type("JSONErrorsRequestHandler", (_JSONErrorsRequestHandler,),
+                       {"max_header_bytes": self._max_header_bytes})
+        server.__class__ = type("JSONErrorsServer", (_JSONErrorsServer,), {"handler_class": handler})
+        return server
 
 
 async def read_json(request: web.Request, limits: HTTPLimits) -> tuple[dict[str, Any], bytes]:
