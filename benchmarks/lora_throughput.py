@@ -81,7 +81,7 @@ def main() -> None:
 
     model_dir = resolve_model(args.model)
     engine_args = dict(device=args.device, dtype=args.dtype, max_num_seqs=args.num_prompts,
-                       kv_cache_memory=args.kv_cache_memory)
+                       kv_cache_memory=args.kv_cache_memory, max_model_len=args.input_len[1] + args.output_len)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         adapters = make_adapters(model_dir, Path(tmp))

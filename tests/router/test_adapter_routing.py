@@ -55,7 +55,8 @@ class AdapterEngine:
             return web.json_response({"error": {"message": "no", "type": "x", "param": None, "code": None}},
                                      status=401)
         cards = [{"id": "base", "object": "model", "parent": None, "owned_by": self.name}]
-        cards += [{"id": a, "object": "model", "parent": "base", "root": f"/adapters/{a}"} for a in sorted(self.adapters)]
+        cards += [{"id": a, "object": "model", "parent": "base", "root": f"/adapters/{a}"}
+                  for a in sorted(self.adapters)]
         return web.json_response({"object": "list", "data": cards})
 
     async def _metrics(self, _r: web.Request) -> web.Response:
