@@ -22,8 +22,8 @@ def test_a_changed_source_is_unloaded_and_loaded_again():
 
 
 def test_status_counts_replicas_per_adapter_and_summarises_for_the_printer_column():
-    results = [PodSync("e-1", loaded={"sql", "chat"}, loaded_now=["chat"]), PodSync("e-2", loaded={"sql"},
-                                                                                    failures={"chat": "HTTP 400: rank 32 above --max-lora-rank 16"})]
+    results = [PodSync("e-1", loaded={"sql", "chat"}, loaded_now=["chat"]),
+               PodSync("e-2", loaded={"sql"}, failures={"chat": "HTTP 400: rank 32 above --max-lora-rank 16"})]
     report = adapter_status([SQL, CHAT], results, {})
     assert report.status["adapters"] == [
         {"name": "sql", "source": "pvc://a/sql", "readyReplicas": 2, "message": ""},
@@ -33,7 +33,8 @@ def test_status_counts_replicas_per_adapter_and_summarises_for_the_printer_colum
     ok, reason, message = report.condition
     assert (ok, reason) == (False, "LoadFailed") and "rank 32" in message
     assert [(e.type, e.reason, e.message) for e in report.events] == [
-        ("Warning", "AdapterLoadFailed", "adapter chat: load failed on e-2: HTTP 400: rank 32 above --max-lora-rank 16"),
+        ("Warning", "AdapterLoadFailed",
+         "adapter chat: load failed on e-2: HTTP 400: rank 32 above --max-lora-rank 16"),
         ("Normal", "AdapterLoaded", "adapter chat loaded on e-1")]
 
 
