@@ -31,6 +31,7 @@ STRATEGIES = ("kv-aware", "least-load", "prefix", "prefix-cache", "round-robin")
 # A fully cached prompt is worth one full replica of load (kv_score's unit): prefill dominates a
 # long prompt's first-token time, so a cached replica wins unless the other is nearly idle and it is not.
 PREFIX_WEIGHT = 1.0
+RING_CACHE = 32   # consistent-hash rings kept for recently seen upstream sets (PrefixAffinity)
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,21 @@ class PrefixAffinity:
         self._ring_for: tuple[str, ...] = ()
         self._points: list[int] = []
         self._owners: list[str] = []
+        # rings of recent upstream sets: adapter affinity hands each model its own subset, and requests for
+        # different models alternate, so rebuilding one ring per change would rebuild on nearly every request
+        self._rings: dict[tuple[str, ...], tuple[list[int], list[str]]] = {}
 
     def _ring(self, urls: tuple[str, ...]) -> None:
         if urls == self._ring_for:
             return
-        pairs = sorted((_hash(f"{url}#{i}".encode()), url) for url in urls for i in range(self.vnodes))
-        self._points = [p for p, _ in pairs]
-        self._owners = [u for _, u in pairs]
+        ring = self._rings.pop(urls, None)
+        if ring is None:
+            pairs = sorted((_hash(f"{url}#{i}".encode()), url) for url in urls for i in range(self.vnodes))
+            ring = [p for p, _ in pairs], [u for _, u in pairs]
+            if len(self._rings) >= RING_CACHE:
+                del self._rings[next(iter(self._rings))]   # least recently used
+        self._rings[urls] = ring
+        self._points, self._owners = ring
         self._ring_for = urls
 
     def key_of(self, prompt: str) -> bytes:

@@ -119,3 +119,20 @@ def test_parse_lora_info_takes_the_newest_sample():
     one = 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters=""} 5\n'
     assert parse_lora_info(one) == (frozenset({"sql", "chat"}), frozenset(), 2)
     assert parse_lora_info('vllm:num_requests_running{model_name="m"} 1\n') == (frozenset(), frozenset(), None)
+
+
+def test_prefix_rings_of_alternating_candidate_sets_pick_as_fresh_rings_do():
+    from pagedmodel.server.router.strategies import RING_CACHE, PrefixAffinity
+
+    sets = [[UpstreamView(u) for u in urls_] for urls_ in ([A, B, C], [A, C], [B, C], [A])]
+    prompts = [f"shared system prompt {i}" for i in range(30)]
+    fresh = {i: [PrefixAffinity().pick(views, p).url for p in prompts] for i, views in enumerate(sets)}
+    cached = PrefixAffinity()
+    for _ in range(3):   # alternate as requests for different adapters would
+        for i, views in enumerate(sets):
+            assert [cached.pick(views, p).url for p in prompts] == fresh[i]
+    assert len(cached._rings) == len(sets)
+    for i in range(RING_CACHE + 5):   # bounded: old sets are dropped
+        cached.pick([UpstreamView(f"http://x{i}:1")], "p")
+    assert len(cached._rings) == RING_CACHE
+    assert [cached.pick(sets[0], p).url for p in prompts] == fresh[0]
