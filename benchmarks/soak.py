@@ -37,6 +37,7 @@ import soak_traffic as traffic  # noqa: E402
 from support import free_port, stop_process, wait_healthy, wait_until  # noqa: E402
 
 from pagedmodel import metrics_contract as mc  # noqa: E402
+from pagedmodel.kernels.cpu_features import has_native_bf16  # noqa: E402
 
 BLOCK_SIZE = 16
 KV_BLOCKS = 48            # small on purpose: the mix's long requests cannot all fit -> preemption
@@ -47,7 +48,9 @@ RSS_BOUND_SHARE = 0.10
 IDLE_SLACK_TASKS = 2      # router tasks above its idle count still tolerated once idle again
 REQUEST_TIMEOUT_S = 180.0
 SERVED_NAME = "soak"
-DTYPE, DTYPE_BYTES = "bfloat16", 2   # the engine's CPU default, pinned so the KV size is known
+# What --dtype auto picks on this CPU (bf16 only where it is native: AMX / AVX512-BF16; emulated bf16 ran the
+# SmolLM2 soak at a few requests a minute and timed requests out), pinned so the KV size is known.
+DTYPE, DTYPE_BYTES = ("bfloat16", 2) if has_native_bf16() else ("float32", 4)
 
 
 @dataclass
@@ -169,7 +172,7 @@ async def drive(base_url: str, seconds: float, concurrency: int, seed: int, firs
                 last_print = time.monotonic()
                 rss = ", ".join(f"{p.name} {rss_bytes(p.popen.pid) / 2**20:.0f}" for p in procs if p.popen.poll() is None)
                 print(f"  t={last_print - start:5.0f}s requests {len(tally.results)} outcomes {tally.counts()} "
-                      f"RSS MiB: {rss}", flush=True)
+                      f"RSS MiB: {rss}; load average {os.getloadavg()[0]:.1f}", flush=True)
 
     watcher = asyncio.create_task(watch_rss())
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -331,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_all(args: argparse.Namespace, model_dir: Path, phase_s: float, logdir: Path) -> int:
     print(f"soak: model {model_dir}, {phase_s:.0f} s per phase, concurrency {args.concurrency}, seed {args.seed}, "
-          f"KV {KV_BLOCKS} blocks x {BLOCK_SIZE} tokens, logs in {logdir}", flush=True)
+          f"{DTYPE}, KV {KV_BLOCKS} blocks x {BLOCK_SIZE} tokens, logs in {logdir}; started "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     reports: list[PhaseReport] = []
     procs: list[Proc] = []
     try:
@@ -354,6 +359,8 @@ def run_all(args: argparse.Namespace, model_dir: Path, phase_s: float, logdir: P
         for p in procs:
             stop_process(p.popen)
     failures = [f"{r.name}: {f}" for r in reports for f in r.failures]
+    print(f"\nended {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     print("\nSOAK PASS" if not failures else "\nSOAK FAIL: " + "; ".join(failures), flush=True)
     return 0 if not failures else 1
 
