@@ -50,6 +50,9 @@ class Traffic(threading.Thread):
 
 @pytest.mark.slow
 def test_operator_and_router_survive_api_server_and_etcd_restarts(cluster, namespace, pagedmodel_crd, tmp_path):
+    """Guards: with kube-apiserver and then etcd restarted under traffic, completions keep finishing (every
+    one a 200) while the API is down; afterwards the operator reconciles a spec change with the status intact
+    and no duplicate children, and the router's pod watch finds a replacement engine pod on its new IP."""
     pm = copy.deepcopy(yaml.safe_load((REPO / "examples" / "cpu-tiny.yaml").read_text()))
     pm["metadata"]["name"] = NAME
     pm["spec"]["router"] = {"replicas": 1}
