@@ -120,6 +120,22 @@ def test_strategy_falls_back_by_load_without_a_hit_or_past_the_load_bound():
     assert pick_prefix_cache([]) is None
 
 
+def test_prompts_nobody_caches_spread_over_equally_loaded_upstreams():
+    # Idle replicas tie on score: the prompt's own hash picks, so 16 tenants' new prompts spread over
+    # all three (ordering ties by URL sent every one to http://a) and each tenant keeps one choice.
+    ups = [view("http://a"), view("http://b"), view("http://c")]
+    picks = {pick_prefix_cache(ups, prompt=f"system:tenant {t} rules").url for t in range(16)}
+    assert picks == {"http://a", "http://b", "http://c"}
+    again = [pick_prefix_cache(list(reversed(ups)), prompt=f"system:tenant {t} rules").url for t in range(16)]
+    assert again == [pick_prefix_cache(ups, prompt=f"system:tenant {t} rules").url for t in range(16)]
+    # the tie-break never overrides a better score: a hit still wins, and so does lower load
+    assert all(pick_prefix_cache([view("http://a"), view("http://b", cached=96), view("http://c")],
+                                 prompt=f"t{t}").url == "http://b" for t in range(16))
+    assert all(pick_prefix_cache([view("http://a", inflight=1), view("http://b", inflight=1), view("http://c")],
+                                 prompt=f"t{t}").url == "http://c" for t in range(16))
+    assert Router("prefix-cache").pick(ups, "system:tenant 3 rules") == pick_prefix_cache(ups, prompt="system:tenant 3 rules")
+
+
 def test_operator_spec_and_crds_offer_exactly_the_routers_strategies():
     from pathlib import Path
 
