@@ -9,12 +9,13 @@ completions, n > 1, beam search, shared system prompts (prefix caching on), long
 overflow the deliberately small KV cache (preemption: the lone engine and one routed engine swap,
 the other routed engine recomputes), 10 % client aborts at random points and 2 % hostile requests.
 
-After each phase, once idle, it asserts and prints: requests by outcome ("other" must be 0); on every
-engine the KV gauge back to 0 blocks in use and GET /debug/kv_blocks (the block manager's invariant
-check, served with --enable-debug-endpoints) clean, with preemptions and prefix-cache hits seen;
-process RSS after the phase within RSS_BOUND of its value after warm-up; the router's client
-connections, upstream connections and asyncio tasks back to their idle level. Exit status 0 only if
-every check held; the last line printed is `SOAK PASS` or `SOAK FAIL: <checks>`.
+A phase runs on past its time (at most MAX_EXTENSION_S) until the mix has exercised every check below
+(a hostile request, an abort, a preemption on each engine). After each phase, once idle, it asserts and
+prints: requests by outcome ("other" must be 0); on every engine the KV gauge back to 0 blocks in use
+and GET /debug/kv_blocks (the block manager's invariant check, served with --enable-debug-endpoints)
+clean, with preemptions and prefix-cache hits seen; process RSS after the phase within RSS_BOUND of its
+value after warm-up; the router's client connections, upstream connections and asyncio tasks back to
+their idle level. Exit status 0 only if every check held; the last line printed is `SOAK PASS` or `SOAK FAIL: <checks>`.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ RSS_BOUND_MIB = 64        # allowed growth after warm-up: RSS_BOUND_MIB + RSS_BO
 RSS_BOUND_SHARE = 0.10
 IDLE_SLACK_TASKS = 2      # router tasks above its idle count still tolerated once idle again
 REQUEST_TIMEOUT_S = 180.0
+MAX_EXTENSION_S = 180.0   # the longest a phase runs past its time while the mix has not exercised every check
 SERVED_NAME = "soak"
 # What --dtype auto picks on this CPU (bf16 only where it is native: AMX / AVX512-BF16; emulated bf16 ran the
 # SmolLM2 soak at a few requests a minute and timed requests out), pinned so the KV size is known.
@@ -147,25 +150,38 @@ def engine_idle(url: str) -> bool:
 # ---- load
 
 async def drive(base_url: str, seconds: float, concurrency: int, seed: int, first_index: int,
-                procs: list[Proc], warmup_s: float) -> traffic.Tally:
-    """Closed loop: `concurrency` clients play the mix from request `first_index` on for `seconds`."""
+                procs: list[Proc], warmup_s: float,
+                covered: Callable[[traffic.Tally], bool] = lambda _t: True) -> traffic.Tally:
+    """Closed loop: `concurrency` clients play the mix from request `first_index` on for `seconds`, and on
+    (at most MAX_EXTENSION_S more) until `covered(tally)`: on a loaded machine a short phase may not yet
+    have drawn a hostile request or forced a preemption, and the checks need both to mean anything."""
     import httpx
 
     tally = traffic.Tally()
     counter = iter(range(first_index, 10**9))
     start = time.monotonic()
     deadline = start + seconds
+    done = asyncio.Event()
 
     async def client() -> None:
         limits = httpx.Limits(max_connections=4, max_keepalive_connections=2)
         async with httpx.AsyncClient(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0), limits=limits) as c:
-            while time.monotonic() < deadline:
+            while not done.is_set():
                 p = traffic.plan(next(counter), seed, SERVED_NAME, MAX_MODEL_LEN, LONG_WORDS)
                 tally.results.append(await traffic.play(c, base_url, p, REQUEST_TIMEOUT_S))
 
+    async def until_covered() -> None:
+        await asyncio.sleep(seconds)
+        while time.monotonic() < deadline + MAX_EXTENSION_S and not await asyncio.to_thread(covered, tally):
+            await asyncio.sleep(2.0)
+        if time.monotonic() - deadline > 1.0:
+            print(f"  phase extended by {time.monotonic() - deadline:.0f} s until the mix had exercised every "
+                  f"check (or {MAX_EXTENSION_S:.0f} s passed)", flush=True)
+        done.set()
+
     async def watch_rss() -> None:
         last_print = start
-        while time.monotonic() < deadline:
+        while not done.is_set():
             await asyncio.sleep(2.0)
             sample_rss(procs, warm=time.monotonic() - start >= warmup_s)
             if time.monotonic() - last_print >= 60:   # a progress line a minute: the RSS curve, for the record
@@ -175,7 +191,7 @@ async def drive(base_url: str, seconds: float, concurrency: int, seed: int, firs
                       f"RSS MiB: {rss}; load average {os.getloadavg()[0]:.1f}", flush=True)
 
     watcher = asyncio.create_task(watch_rss())
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    await asyncio.gather(until_covered(), *(client() for _ in range(concurrency)))
     watcher.cancel()
     return tally
 
@@ -271,9 +287,23 @@ def run_phase(name: str, target: Proc, engines: list[Proc], router: Proc | None,
     counters_before = {e.name: metric_sums(e.url, COUNTERS) for e in engines}
     for p in procs:   # each phase has its own warm-up
         p.rss_warm, p.rss_max = None, 0
+    def covered(tally: traffic.Tally) -> bool:
+        """Every outcome the checks need has happened, and every engine preempted (swapped) and hit its cache."""
+        counts = tally.counts()
+        if not all(counts[k] for k in ("completed", "aborted", "rejected_4xx")):
+            return False
+        for e in engines:
+            got = metric_sums(e.url, COUNTERS)
+            grew = {n: got.get(n, 0) - counters_before[e.name].get(n, 0) for n in COUNTERS}
+            if grew["vllm:num_preemptions_total"] < 1 or grew["vllm:prefix_cache_hits_total"] < 1:
+                return False
+            if e.mode == "swap" and grew["pagedmodel:num_swap_outs_total"] < 1:
+                return False
+        return True
+
     t0 = time.monotonic()
     tally = asyncio.run(drive(target.url, seconds, args.concurrency, args.seed, first_index, procs,
-                              warmup_s=min(120.0, seconds * 0.5)))
+                              warmup_s=min(120.0, seconds * 0.5), covered=covered))
     report = PhaseReport(name, time.monotonic() - t0, tally)
     for e in engines:
         check_engine(e, counters_before[e.name], report)
@@ -293,9 +323,16 @@ def print_report(r: PhaseReport) -> None:
     print(f"\n== phase {r.name}: {len(r.tally.results)} requests in {r.seconds:.0f} s")
     print("outcome       " + " ".join(f"{k:>12}" for k in traffic.OUTCOMES))
     print("requests      " + " ".join(f"{counts[k]:>12}" for k in traffic.OUTCOMES))
-    print(f"{'kind':<18} {'completed':>9} {'p50 s':>8} {'p99 s':>8}")
-    for kind, (n, p50, p99) in r.tally.latency_by_kind().items():
-        print(f"{kind:<18} {n:>9} {p50:>8.2f} {p99:>8.2f}")
+    by_kind: dict[str, dict[str, int]] = {}
+    for res in r.tally.results:   # hostile kinds share one row
+        kind = "hostile" if res.planned.hostile else res.planned.kind
+        row = by_kind.setdefault(kind, dict.fromkeys(traffic.OUTCOMES, 0))
+        row[res.outcome] += 1
+    latency = r.tally.latency_by_kind()
+    print(f"{'kind':<18} " + " ".join(f"{k:>12}" for k in traffic.OUTCOMES) + f" {'p50 s':>8} {'p99 s':>8}")
+    for kind, row in sorted(by_kind.items()):
+        _n, p50, p99 = latency.get(kind, (0, float("nan"), float("nan")))
+        print(f"{kind:<18} " + " ".join(f"{row[k]:>12}" for k in traffic.OUTCOMES) + f" {p50:>8.2f} {p99:>8.2f}")
     print(f"completion tokens/s {r.tally.completion_tokens() / max(r.seconds, 1e-9):.1f} "
           f"({r.tally.completion_tokens()} tokens)")
     for line in r.lines:
