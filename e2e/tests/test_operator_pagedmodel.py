@@ -154,8 +154,8 @@ def test_pagedmodel_lifecycle(cluster, namespace, pagedmodel_crd, tmp_path):
         assert conditions["MetricsAvailable"]["status"] == "True", conditions
         assert conditions["ScalingActive"]["reason"] == "Disabled"      # autoscaling is off in the example
         table = cluster.kubectl("get", "pm", namespace=namespace).stdout.splitlines()
-        assert table[0].split() == ["NAME", "MODEL", "READY", "KV%", "WAITING", "PHASE", "AGE"]
-        row = table[1].split()
+        assert table[0].split() == ["NAME", "MODEL", "READY", "KV%", "WAITING", "ADAPTERS", "PHASE", "AGE"]
+        row = table[1].split()      # no spec.adapters: the ADAPTERS column is blank
         assert row[:3] == [NAME, "builtin://smollm2", "1/1"] and row[4:6] == ["0", "Ready"], table
         assert row[3].isdigit() and 0 <= int(row[3]) <= 100, table
         wide = cluster.kubectl("get", "pm", "-o", "wide", namespace=namespace).stdout.splitlines()
