@@ -1,7 +1,7 @@
 """Prefix-cache hit rate and time to first token through the router, per routing strategy.
 
-    python benchmarks/prefix_routing.py [--model DIR|smollm2] [--requests 100] [--warmup 20] [--rate 0.5] [--skew 1.0]
-                                        [--kv-fraction 0.4] [--strategies round-robin,least-load,prefix,prefix-cache]
+    python benchmarks/prefix_routing.py [--model DIR|smollm2] [--requests 64] [--warmup 12] [--rate 0.25] [--skew 1.0]
+                                        [--kv-fraction 0.4] [--strategies prefix,prefix-cache,least-load,round-robin]
     python benchmarks/prefix_routing.py --quick      # a small smoke run (tests/router/test_prefix_routing_bench.py)
 
 Workload (prefix_workload.py, all from --seed): 16 tenants, each with its own system prompt of 1-2k
@@ -20,11 +20,11 @@ vllm:prefix_cache_hits / vllm:prefix_cache_queries deltas, in prompt tokens, sum
 engines) and TTFT mean / p50 / p99, client-side through the router with streaming (request sent to
 the first chunk carrying generated text; the role-only opening chunk does not count).
 
-Without --model the engines serve a random Llama of 6 layers x 384 hidden with the SmolLM2
+Without --model the engines serve a random Llama of 4 layers x 256 hidden with the SmolLM2
 tokenizer and chat template: routing and caching see real prompts (a random model only changes
-the generated words, not what is cached), while a 1.5k-token prefill stays near a second on one
-contended CPU core instead of SmolLM2-135M's many seconds. A benchmark, not a test: it prints a
-table and, with --json, the raw numbers.
+the generated words, not what is cached), while prefill stays cheap enough for 3 engines x 4
+strategies on 2 shared cores (SmolLM2-135M, 30 layers x 576, is some 30x the compute per token).
+A benchmark, not a test: it prints a table and, with --json, the raw numbers.
 """
 from __future__ import annotations
 
@@ -47,13 +47,14 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from kv_event_trace import KVEventTrace, first_blocks  # noqa: E402
 from prefix_workload import Request, requests, system_prompts, tenant_weights  # noqa: E402
 from support import free_port, stop_process, wait_healthy  # noqa: E402  (shared with the tests)
 
-STRATEGIES = ("round-robin", "least-load", "prefix", "prefix-cache")
+STRATEGIES = ("prefix", "prefix-cache", "least-load", "round-robin")   # the run's order: the pair compared first
 MODEL_NAME = "bench"
 BLOCK_SIZE = 16
-RANDOM_LLAMA = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+RANDOM_LLAMA = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
 QUICK = dict(prompts=4, min_prompt_tokens=150, max_prompt_tokens=250, requests=12, warmup=4, rate=4.0,
              engines=2, kv_fraction=0.8, strategies="prefix-cache", max_tokens=2)
@@ -114,8 +115,11 @@ async def replay(session: aiohttp.ClientSession, router_url: str, prompts: list[
 
 
 async def drive(router_url: str, engine_urls: list[str], prompts: list[str], warmup: list[Request],
-                measured: list[Request], max_tokens: int) -> dict[str, Any]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+                measured: list[Request], max_tokens: int, trace: KVEventTrace) -> dict[str, Any]:
+    # One connection per request: a pooled keep-alive connection can be reused just as the server's
+    # keep-alive timeout (5 s) closes it, a reset that Poisson gaps of seconds would hit sooner or later.
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
         async def counters() -> list[tuple[float, float]]:
             await asyncio.sleep(1.5)   # the engines publish their stats to /metrics about once a second
             hq = []
@@ -125,10 +129,12 @@ async def drive(router_url: str, engine_urls: list[str], prompts: list[str], war
             return hq
         await replay(session, router_url, prompts, warmup, max_tokens)
         before = await counters()
+        trace.start(session, engine_urls)
         t0 = time.perf_counter()
         ttfts = await replay(session, router_url, prompts, measured, max_tokens)
         wall = time.perf_counter() - t0
         after = await counters()
+        placement = await trace.stop()
     per_engine = [(h1 - h0, q1 - q0) for (h0, q0), (h1, q1) in zip(before, after)]
     h0, q0 = sum(h for h, _ in before), sum(q for _, q in before)
     h1, q1 = sum(h for h, _ in after), sum(q for _, q in after)
@@ -138,11 +144,12 @@ async def drive(router_url: str, engine_urls: list[str], prompts: list[str], war
     return {"hit_rate": (h1 - h0) / (q1 - q0), "ttft_mean": statistics.fmean(ttfts),
             "ttft_p50": statistics.median(ttfts), "ttft_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
             "wall_s": wall, "requests": len(ttfts), "hit_tokens": h1 - h0, "query_tokens": q1 - q0,
-            "per_engine_hit_query_tokens": per_engine}
+            "per_engine_hit_query_tokens": per_engine, "placement": placement}
 
 
 def run_strategy(strategy: str, model: Path, args: argparse.Namespace, prompts: list[str],
-                 warmup: list[Request], measured: list[Request], logs: Path) -> dict[str, Any]:
+                 warmup: list[Request], measured: list[Request], logs: Path,
+                 tenants_by_block: dict[bytes, int]) -> dict[str, Any]:
     ports = [free_port() for _ in range(args.engines)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     engines = [start(["serve", "--model", str(model), "--device", "cpu", "--host", "127.0.0.1", "--port", str(p),
@@ -159,10 +166,12 @@ def run_strategy(strategy: str, model: Path, args: argparse.Namespace, prompts: 
         extra = ["--tokenizer", str(model)] if strategy == "prefix-cache" else []
         router = start(["router", *[a for u in urls for a in ("--upstream", u)], "--host", "127.0.0.1",
                         "--port", str(rport), "--strategy", strategy, "--max-queue-len", "1024",
-                        "--queue-timeout", "600", *extra], logs / f"{strategy}-router.log")
+                        "--queue-timeout", "600", "--log-level", args.router_log_level, *extra],
+                       logs / f"{strategy}-router.log")
         wait_healthy(router_url, router, 120, logs / f"{strategy}-router.log")
         time.sleep(1.0)   # KV-event subscriptions open and the first metrics scrape lands
-        return asyncio.run(drive(router_url, urls, prompts, warmup, measured, args.max_tokens))
+        return asyncio.run(drive(router_url, urls, prompts, warmup, measured, args.max_tokens,
+                                 KVEventTrace(tenants_by_block)))
     finally:
         if router is not None:
             stop_process(router)
@@ -172,11 +181,11 @@ def run_strategy(strategy: str, model: Path, args: argparse.Namespace, prompts: 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="model dir or name (default: a random 6x384 Llama)")
+    ap.add_argument("--model", default=None, help="model dir or name (default: a random 4x256 Llama)")
     ap.add_argument("--quick", action="store_true", help="a small smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
-    ap.add_argument("--requests", type=int, default=100, help="measured requests")
-    ap.add_argument("--warmup", type=int, default=20, help="requests run and drained before measuring")
-    ap.add_argument("--rate", type=float, default=0.5, help="arrivals per second (Poisson)")
+    ap.add_argument("--requests", type=int, default=64, help="measured requests")
+    ap.add_argument("--warmup", type=int, default=12, help="requests run and drained before measuring")
+    ap.add_argument("--rate", type=float, default=0.25, help="arrivals per second (Poisson)")
     ap.add_argument("--prompts", type=int, default=16, help="tenants, one system prompt each")
     ap.add_argument("--min-prompt-tokens", type=int, default=1000)
     ap.add_argument("--max-prompt-tokens", type=int, default=2000)
@@ -190,6 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--logs", type=Path, default=None, help="keep the engine and router logs here (default: a temp dir)")
+    ap.add_argument("--router-log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -221,7 +232,8 @@ def resolve(args: argparse.Namespace, work: Path) -> Path:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark: the workload, then each strategy on fresh engines; returns the results."""
     from transformers import AutoTokenizer
-    work = Path(tempfile.mkdtemp(prefix="prefix_routing_"))
+    work = args.logs or Path(tempfile.mkdtemp(prefix="prefix_routing_"))
+    work.mkdir(parents=True, exist_ok=True)
     model = resolve(args, work)
     tok = AutoTokenizer.from_pretrained(model)
     rng = random.Random(args.seed)
@@ -237,20 +249,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.kv_bytes = kv_tokens * kv_bytes_per_token(model, args.dtype)
     args.max_model_len = args.max_prompt_tokens + 256
     hot = sorted(weights, reverse=True)
-    print(f"model {model} ({args.model or ('random 2x64 llama' if args.quick else 'random 6x384 llama')}), {args.engines} engines x {kv_tokens} KV tokens "
+    tenants_by_block = first_blocks(tok, prompts, MODEL_NAME, BLOCK_SIZE)
+    print(f"model {model} ({args.model or ('random 2x64 llama' if args.quick else 'random 4x256 llama')}), {args.engines} engines x {kv_tokens} KV tokens "
           f"({args.kv_fraction:.0%} of the {sum(lengths)} system-prompt tokens), {len(prompts)} system prompts of "
           f"{min(lengths)}-{max(lengths)} tokens, tenant shares {hot[0]:.0%} .. {hot[-1]:.1%} (skew {args.skew}); "
           f"{args.warmup} warm-up + {args.requests} measured requests at {args.rate}/s, seed {args.seed}", flush=True)
     results: dict[str, Any] = {}
     for strategy in args.strategies.split(","):
         load0 = os.getloadavg()[0]
-        r = run_strategy(strategy, model, args, prompts, warmup, measured, work)
+        r = run_strategy(strategy, model, args, prompts, warmup, measured, work, tenants_by_block)
         r["loadavg_before"], r["loadavg_after"] = load0, os.getloadavg()[0]
         results[strategy] = r
         shares = " / ".join(f"{q / r['query_tokens']:.0%}" for _, q in r["per_engine_hit_query_tokens"])
         print(f"{strategy:>13}: hit rate {r['hit_rate']:6.1%}  TTFT mean {r['ttft_mean']:6.2f}s  "
               f"p50 {r['ttft_p50']:6.2f}s  p99 {r['ttft_p99']:6.2f}s  (wall {r['wall_s']:.0f}s, "
               f"load {load0:.1f} -> {r['loadavg_after']:.1f}, prompt tokens per engine {shares})", flush=True)
+        p = r["placement"]
+        print(f"{'':>13}  full misses per engine {list(p['full_misses_per_engine'].values())}, evictions "
+              f"{list(p['evictions_per_engine'].values())}, tenants computed on 1/2/3 engines "
+              f"{[p['tenants_computed_on_n_engines'].get(k, 0) for k in (1, 2, 3)]}", flush=True)
     return {"kv_tokens": kv_tokens, "prompt_tokens": lengths, "tenant_weights": weights, "results": results}
 
 
