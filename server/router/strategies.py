@@ -15,9 +15,12 @@ their in-flight cap) and returns one of them, or None when the list is empty.
   which case the next upstream clockwise on the ring takes it.
 - `prefix-cache`: exact prefix-cache awareness. The router knows from the engines' own KV events
   which blocks each one holds (prefix_index.py) and how many of the prompt's leading tokens each
-  would serve from cache; the score is `kv_score` minus `PREFIX_WEIGHT` times that cached share of
-  the prompt (llm-d's weighted scorers: prefix and load). An upstream above the same bounded-load cap
-  as `prefix` competes on load alone, so a hot prefix spills instead of piling up.
+  would serve from cache. Upstreams past the same bounded-load cap as `prefix` are left out. Each
+  prompt has a stable order of the others (a rendezvous hash of its leading text): its *home* is
+  the first of them. The prompt goes home unless another upstream holds at least `MIN_GAIN` more of
+  it; then the score `kv_score` minus `PREFIX_WEIGHT` times the cached share decides between home
+  and those. So cold prompts and spills land where the hash strategy would put them (one home, one
+  stable second home), and the cache knowledge only moves a prompt to where its prefix really is.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ STRATEGIES = ("kv-aware", "least-load", "prefix", "prefix-cache", "round-robin")
 # A fully cached prompt is worth one full replica of load (kv_score's unit): prefill dominates a
 # long prompt's first-token time, so a cached replica wins unless the other is nearly idle and it is not.
 PREFIX_WEIGHT = 1.0
+# How much more of the prompt (a share of its tokens) another upstream must hold for the prompt to leave
+# its stable home. Below it the saving is small and a move would copy the prompt to a second engine.
+MIN_GAIN = 0.1
 PREFIX_KEY_CHARS = 256   # leading characters of the prompt that key the `prefix` ring and prefix-cache's ties
 RING_CACHE = 32   # consistent-hash rings kept for recently seen upstream sets (PrefixAffinity)
 
@@ -83,25 +89,41 @@ def bounded_load(ups: Sequence[UpstreamView], load_factor: float = 1.25) -> int:
     return max(1, math.ceil(load_factor * total / len(ups)))
 
 
-def prefix_cache_score(u: UpstreamView, cap: int | None = None) -> float:
-    """Lower is better: load (kv_score) minus the weighted share of the prompt served from cache."""
+def cached_share(u: UpstreamView) -> float:
+    """The share of the prompt's tokens `u` would serve from its prefix cache, 0..1."""
     share = u.cached_tokens / u.prompt_tokens if u.prompt_tokens > 0 else 0.0
-    if cap is not None and u.inflight >= cap:
-        share = 0.0
-    return kv_score(u) - PREFIX_WEIGHT * min(max(share, 0.0), 1.0)
+    return min(max(share, 0.0), 1.0)
+
+
+def prefix_cache_score(u: UpstreamView) -> float:
+    """Lower is better: load (kv_score) minus the weighted share of the prompt served from cache."""
+    return kv_score(u) - PREFIX_WEIGHT * cached_share(u)
+
+
+def rendezvous_order(ups: Sequence[UpstreamView], prompt: str) -> list[UpstreamView]:
+    """The upstreams in this prompt's own stable order (highest random weight first): removing one
+    keeps the others' order, so a prompt's home and its second home survive upstream changes."""
+    key = prompt[:PREFIX_KEY_CHARS].encode("utf-8", "surrogatepass")
+    return sorted(ups, key=lambda u: (-_hash(u.url.encode() + b"\n" + key), u.url))
 
 
 def pick_prefix_cache(ups: Sequence[UpstreamView], load_factor: float = 1.25, prompt: str = "") -> UpstreamView | None:
-    """Best score; among equals (a prompt nobody caches, or whose holder is past the cap, on idle
-    replicas) a rendezvous hash of the prompt decides, so such prompts spread as under `prefix`.
-    Ties ordered by URL sent them all to one replica (in the 2026-12-02 benchmark one engine took
-    40 % of the prompt tokens and the hit rate fell below `prefix`'s)."""
+    """The prompt's home (first below the bounded-load cap in its rendezvous order) unless another
+    upstream below the cap holds at least MIN_GAIN more of the prompt; then the best score among home
+    and those. Sending cold prompts and spills to the least loaded engine instead (the first design)
+    computed a hot prompt on a second and third engine and evicted others' prefixes: in the 2026-12-02
+    benchmark its hit rate (72 %) stayed below the hash strategy's (81 %)."""
     if not ups:
         return None
     cap = bounded_load(ups, load_factor)
-    key = prompt[:PREFIX_KEY_CHARS].encode("utf-8", "surrogatepass")
-    return min(ups, key=lambda u: (prefix_cache_score(u, cap), u.inflight,
-                                   _hash(u.url.encode() + b"\n" + key), u.url))
+    # never empty: the cap is above the mean in-flight, so some upstream is below it
+    open_ = [u for u in rendezvous_order(ups, prompt) if u.inflight < cap] or rendezvous_order(ups, prompt)
+    home = open_[0]
+    holders = [u for u in open_[1:] if cached_share(u) >= cached_share(home) + MIN_GAIN]
+    if not holders:
+        return home
+    rank = {u.url: i for i, u in enumerate(open_)}
+    return min([home, *holders], key=lambda u: (prefix_cache_score(u), rank[u.url]))
 
 
 class RoundRobin:

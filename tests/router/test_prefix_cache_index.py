@@ -7,7 +7,8 @@ import pytest
 from pagedmodel.server.engine.block_manager import block_hash
 from pagedmodel.server.engine.kv_events import HASH_SCHEME, KVEventLog
 from pagedmodel.server.router.prefix_index import PrefixIndex, PromptChains, UpstreamBlocks, hash_chain
-from pagedmodel.server.router.strategies import STRATEGIES, Router, UpstreamView, pick_prefix_cache
+from pagedmodel.server.router.strategies import (MIN_GAIN, STRATEGIES, Router, UpstreamView, pick_prefix_cache,
+                                                 rendezvous_order)
 
 TOKENS = list(range(1000, 1041))    # 41 tokens: ten full 4-token blocks before the last one
 
@@ -110,30 +111,78 @@ def test_strategy_picks_the_longest_cached_prefix():
     assert "prefix-cache" in STRATEGIES and Router("prefix-cache").pick(ups).url == "http://b"
 
 
-def test_strategy_falls_back_by_load_without_a_hit_or_past_the_load_bound():
-    ups = [view("http://a", inflight=3), view("http://b", inflight=1), view("http://c", inflight=2)]
-    assert pick_prefix_cache(ups).url == "http://b"           # nothing cached anywhere: least loaded
+def test_strategy_spills_past_the_load_bound_and_refuses_nothing():
     hot = [view("http://a", inflight=6, cached=96), view("http://b"), view("http://c")]
-    assert pick_prefix_cache(hot).url == "http://b"           # a past the bounded-load cap: spills
+    assert pick_prefix_cache(hot).url != "http://a"          # a past the bounded-load cap: spills
     busy = [view("http://a", cached=96, kv_usage=0.9), view("http://b", kv_usage=0.0)]
-    assert pick_prefix_cache(busy).url == "http://a"          # a hit outweighs the other replica's free KV
+    assert all(pick_prefix_cache(busy, prompt=f"t{t}").url == "http://a" for t in range(16))   # a hit outweighs free KV
     assert pick_prefix_cache([]) is None
 
 
-def test_prompts_nobody_caches_spread_over_equally_loaded_upstreams():
-    # Idle replicas tie on score: the prompt's own hash picks, so 16 tenants' new prompts spread over
-    # all three (ordering ties by URL sent every one to http://a) and each tenant keeps one choice.
-    ups = [view("http://a"), view("http://b"), view("http://c")]
-    picks = {pick_prefix_cache(ups, prompt=f"system:tenant {t} rules").url for t in range(16)}
-    assert picks == {"http://a", "http://b", "http://c"}
-    again = [pick_prefix_cache(list(reversed(ups)), prompt=f"system:tenant {t} rules").url for t in range(16)]
-    assert again == [pick_prefix_cache(ups, prompt=f"system:tenant {t} rules").url for t in range(16)]
-    # the tie-break never overrides a better score: a hit still wins, and so does lower load
-    assert all(pick_prefix_cache([view("http://a"), view("http://b", cached=96), view("http://c")],
-                                 prompt=f"t{t}").url == "http://b" for t in range(16))
-    assert all(pick_prefix_cache([view("http://a", inflight=1), view("http://b", inflight=1), view("http://c")],
-                                 prompt=f"t{t}").url == "http://c" for t in range(16))
-    assert Router("prefix-cache").pick(ups, "system:tenant 3 rules") == pick_prefix_cache(ups, prompt="system:tenant 3 rules")
+def home_and_second(urls: list[str], prompt: str) -> tuple[str, str]:
+    order = [u.url for u in rendezvous_order([view(u) for u in urls], prompt)]
+    return order[0], order[1]
+
+
+def test_prompts_nobody_caches_spread_and_each_keeps_its_home_whatever_the_load():
+    # A cold prompt goes to its own rendezvous home, not to the least loaded replica: the first design
+    # sent it wherever load was lowest at that moment, so a tenant's prompt was computed on a second
+    # and third engine and evicted other tenants' prefixes (2026-12-02 benchmark).
+    urls = ["http://a", "http://b", "http://c"]
+    prompts = [f"system:tenant {t} rules" for t in range(16)]
+    idle = [view(u) for u in urls]
+    homes = [pick_prefix_cache(idle, prompt=p).url for p in prompts]
+    assert set(homes) == set(urls)
+    assert homes == [pick_prefix_cache(list(reversed(idle)), prompt=p).url for p in prompts]
+    assert homes == [home_and_second(urls, p)[0] for p in prompts]
+    for p, home in zip(prompts, homes):
+        # the home among the busiest but below the cap (1, 1 and 0 in flight: cap ceil(1.25 * 3 / 3) = 2),
+        # another replica idle: the prompt still goes home, as it would under the hash strategy
+        other, idle_one = [u for u in urls if u != home]
+        loads = [view(home, inflight=1), view(other, inflight=1), view(idle_one)]
+        assert pick_prefix_cache(loads, prompt=p).url == home
+    assert Router("prefix-cache").pick(idle, prompts[3]) == pick_prefix_cache(idle, prompt=prompts[3])
+
+
+def test_a_spill_goes_to_the_prompts_stable_second_home_not_the_least_loaded():
+    urls = ["http://a", "http://b", "http://c"]
+    for t in range(16):
+        p = f"system:tenant {t} rules"
+        home, second = home_and_second(urls, p)
+        third = next(u for u in urls if u not in (home, second))
+        # the home holds the prompt but is past the cap (3 in flight of 4: cap ceil(1.25 * 5 / 3) = 3);
+        # the second home has one in flight, the third none: the spill still goes to the second home
+        ups = [view(home, inflight=3, cached=96), view(second, inflight=1), view(third)]
+        assert pick_prefix_cache(ups, prompt=p).url == second
+        # and the second home, once it holds the prompt too, takes the next spill as well
+        ups = [view(home, inflight=3, cached=96), view(second, inflight=1, cached=96), view(third)]
+        assert pick_prefix_cache(ups, prompt=p).url == second
+
+
+def test_a_real_hit_elsewhere_moves_the_prompt_a_token_of_boilerplate_does_not():
+    urls = ["http://a", "http://b", "http://c"]
+    for t in range(16):
+        p = f"system:tenant {t} rules"
+        home, second = home_and_second(urls, p)
+        third = next(u for u in urls if u not in (home, second))
+        ups = [view(home), view(second), view(third, cached=96)]
+        assert pick_prefix_cache(ups, prompt=p).url == third              # the prefix is really there
+        ups = [view(home), view(second, cached=96, kv_usage=0.2), view(third, cached=64)]
+        assert pick_prefix_cache(ups, prompt=p).url == second             # more of it there outweighs some load
+        gain = int(100 * MIN_GAIN) - 1                                    # a shared template block or two
+        ups = [view(home), view(second, cached=gain), view(third, cached=gain)]
+        assert pick_prefix_cache(ups, prompt=p).url == home
+        ups = [view(home, cached=40), view(second, cached=40 + gain), view(third)]
+        assert pick_prefix_cache(ups, prompt=p).url == home
+
+
+def test_a_prompts_home_survives_another_replica_leaving():
+    urls = ["http://a", "http://b", "http://c", "http://d"]
+    for t in range(32):
+        p = f"system:tenant {t} rules"
+        home, _ = home_and_second(urls, p)
+        rest = [view(u) for u in urls if u != next(u for u in urls if u != home)]
+        assert pick_prefix_cache(rest, prompt=p).url == home
 
 
 def test_operator_spec_and_crds_offer_exactly_the_routers_strategies():
