@@ -259,14 +259,17 @@ def router_gauges(url: str) -> dict[str, float]:
     return out
 
 
-def check_router(router: Proc, idle_before: dict[str, float], concurrency: int, report: PhaseReport) -> None:
+def check_router(router: Proc, idle_before: dict[str, float], concurrency: int, upstreams: int,
+                 report: PhaseReport) -> None:
     """Client connections, upstream connections in use and tasks back to their idle level before the load;
-    pooled idle upstream connections bounded by the load's concurrency (they are reused, not leaked)."""
+    pooled idle upstream connections bounded by the load's concurrency per upstream: each upstream's pool keeps
+    at most as many as were open to it at once (reused, not leaked), and that peak may come for each at another
+    time."""
     def settled() -> dict[str, float] | None:
         now = router_gauges(router.url)
         ok = (now["client_connections"] <= idle_before["client_connections"]
               and now["upstream_in_use"] <= idle_before["upstream_in_use"]
-              and now["upstream_idle"] <= concurrency + 4
+              and now["upstream_idle"] <= upstreams * (concurrency + 2)
               and now["asyncio_tasks"] <= idle_before["asyncio_tasks"] + IDLE_SLACK_TASKS)
         return now if ok else None
     now = wait_until(settled, timeout=30, interval=1.0)
@@ -308,7 +311,7 @@ def run_phase(name: str, target: Proc, engines: list[Proc], router: Proc | None,
     for e in engines:
         check_engine(e, counters_before[e.name], report)
     if router is not None:
-        check_router(router, idle_before, args.concurrency, report)
+        check_router(router, idle_before, args.concurrency, len(engines), report)
     check_rss(procs, report)
     if tally.counts()["other"]:
         report.failures.append(f"{tally.counts()['other']} request(s) ended as 'other'")
