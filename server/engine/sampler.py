@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .beam_group import BeamDecision, BeamGroup
+from .penalties import apply_penalties, needs_penalties
+from .random_sampling import draw
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceGroup
 
@@ -46,44 +48,6 @@ class SampleResult:
     top_logprobs: dict[int, float] | None   # chosen token + the top-k, when logprobs were asked for
 
 
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    p = row.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)),
-                            dtype=torch.long, device=logits.device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
-        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.zeros_like(logits).scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    if row.banned_token_ids:
-        logits[list(row.banned_token_ids)] = float("-inf")
-    return logits
-
-
-def _truncate(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.min_p > 0:
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = before >= p.top_p          # keep the smallest prefix whose mass reaches top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
-
-
-def _needs_processing(row: SamplingRow) -> bool:
-    p = row.params
-    return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or row.banned_token_ids)
-
-
 def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     """Mask, in place, what each constrained row's grammar forbids next; returns those rows."""
     constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
@@ -102,48 +66,61 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """``logits`` is ``[len(rows), vocab]`` float32 and is modified (grammar masks). Plain greedy rows
-    (no penalties, no banned tokens) share one argmax, and every row's chosen logprob is one gather:
-    per-row work is left to the rows that need it (penalties, seeded draws, top logprobs)."""
+    """``logits`` is ``[len(rows), vocab]`` float32 and is modified (grammar masks; penalties work on a
+    copy). Each stage is batched over the rows that need it: one penalty pass, one argmax for the greedy
+    rows, one truncation and draw for the random ones (``random_sampling.py``), one gather for the
+    chosen logprobs and one top-k for the rows that asked for top logprobs."""
     logprobs = torch.log_softmax(logits, dim=-1)
     constrained = _apply_grammars(logits, rows)
+    penalised = [i for i, row in enumerate(rows) if needs_penalties(row)]
+    if penalised:
+        index = torch.tensor(penalised, dtype=torch.long, device=logits.device)
+        penalties = apply_penalties(logits.index_select(0, index), [rows[i] for i in penalised])
+        logits = logits.index_put((index,), penalties)
     tokens: list[int] = [0] * len(rows)
-    plain = [i for i, row in enumerate(rows)
-             if (row.params.greedy or row.params.use_beam_search) and not _needs_processing(row)]
-    if plain:
-        picked = logits[plain].argmax(dim=-1) if len(plain) < len(rows) else logits.argmax(dim=-1)
-        for i, token in zip(plain, picked.tolist()):
+    greedy = [i for i, row in enumerate(rows) if row.params.greedy or row.params.use_beam_search]
+    if greedy:
+        picked = logits[greedy].argmax(dim=-1) if len(greedy) < len(rows) else logits.argmax(dim=-1)
+        for i, token in zip(greedy, picked.tolist()):
             tokens[i] = token
-    plain_set = set(plain)
-    for i, row in enumerate(rows):
-        if i in plain_set:
-            continue
-        p = row.params
-        x = _apply_penalties(logits[i].clone(), row) if _needs_processing(row) else logits[i]
-        if p.greedy or p.use_beam_search:
-            tokens[i] = int(torch.argmax(x))
-        else:
-            x = _truncate(x / p.temperature, p)
-            probs = torch.softmax(x, dim=-1)
-            # exponential race: argmax(p / E), E ~ Exp(1), draws token i with probability p_i
-            noise = torch.empty_like(probs).exponential_(generator=row.generator)
-            tokens[i] = int(torch.argmax(probs / noise))
+    drawn = [i for i, row in enumerate(rows) if not (row.params.greedy or row.params.use_beam_search)]
+    if drawn:
+        index = torch.tensor(drawn, dtype=torch.long, device=logits.device)
+        picked = draw(logits.index_select(0, index), [rows[i].params for i in drawn],
+                      [rows[i].generator for i in drawn])
+        for i, token in zip(drawn, picked):
+            tokens[i] = token
     for i in constrained:
         if not rows[i].matcher.accept_token(tokens[i]):   # only if every token was masked: nothing can follow
             log.warning("grammar rejected token %d; the sample continues unconstrained", tokens[i])
             rows[i].matcher = None
     index = torch.tensor(tokens, dtype=torch.long, device=logits.device)
     chosen = logprobs.gather(1, index[:, None])[:, 0].tolist() if rows else []
-    results = []
+    tops = _top_logprobs(logprobs, rows, tokens, chosen)
+    return [SampleResult(tokens[i], chosen[i], top) for i, top in enumerate(tops)]
+
+
+def _top_logprobs(logprobs: torch.Tensor, rows: list[SamplingRow], tokens: list[int],
+                  chosen: list[float]) -> list[dict[int, float] | None]:
+    """Per row: None, or the chosen token's logprob plus the row's top ``logprobs`` (one top-k for all)."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
+    top = None
+    if wanted:
+        k = max(rows[i].params.logprobs for i in wanted)
+        top = torch.topk(logprobs[wanted], k, dim=-1)
+        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+    out: list[dict[int, float] | None] = []
+    slot = {i: j for j, i in enumerate(wanted)}
     for i, row in enumerate(rows):
-        token, top = tokens[i], None
-        if row.params.logprobs is not None:
-            top = {token: chosen[i]}
-            if row.params.logprobs > 0:
-                vals, ids = torch.topk(logprobs[i], row.params.logprobs)
-                top.update({int(t): float(v) for t, v in zip(ids, vals)})
-        results.append(SampleResult(token, chosen[i], top))
-    return results
+        if row.params.logprobs is None:
+            out.append(None)
+            continue
+        entry = {tokens[i]: chosen[i]}
+        if i in slot:
+            k = row.params.logprobs
+            entry.update(zip(top_ids[slot[i]][:k], top_vals[slot[i]][:k]))
+        out.append(entry)
+    return out
 
 
 PromptLogprobs = list[dict[int, float]]   # one {token: logprob, top-k...} per scored prompt token
