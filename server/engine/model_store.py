@@ -136,12 +136,28 @@ def resolve_model(model: str | None) -> Path:
     if path.exists() or _looks_like_path(model):
         return validate_model_dir(path)
     repo_id = model.removeprefix("hf://")
-    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", repo_id):
+    if not _HUB_ID.fullmatch(repo_id):
         raise ModelNotAvailableError(
             f"model {model!r} is neither an existing directory, a built-in name ({', '.join(BUILTIN_SOURCES)}) "
             "nor a Hugging Face Hub id like 'org/name'"
         )
-    return _fetch_from_hub(repo_id)
+    return validate_model_dir(_fetch_from_hub(repo_id, MODEL_FILES))
+
+
+def resolve_adapter(source: str) -> Path:
+    """A LoRA adapter's local directory: ``hf://org/name`` is fetched from the Hub (its PEFT files only, into
+    the Hub cache, as the model's weights are); anything else is a directory path, returned as it is."""
+    if not source.startswith("hf://"):
+        return Path(source).expanduser()
+    repo_id = source.removeprefix("hf://")
+    if not _HUB_ID.fullmatch(repo_id):
+        raise ModelNotAvailableError(f"LoRA adapter {source!r} is not a Hugging Face Hub id like hf://org/name")
+    return _fetch_from_hub(repo_id, ADAPTER_FILES)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
 
 
 def _looks_like_path(model: str) -> bool:
@@ -231,7 +247,9 @@ def _check_safetensors(path: Path) -> None:
             f"the file holds {data}; download it again")
 
 
-def _fetch_from_hub(repo_id: str) -> Path:
+def _fetch_from_hub(repo_id: str, allow_patterns: list[str]) -> Path:
+    """The local snapshot of ``repo_id``'s files matching ``allow_patterns``; ModelNotAvailableError saying
+    what to do when it cannot be had."""
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
@@ -239,12 +257,9 @@ def _fetch_from_hub(repo_id: str) -> Path:
         raise ModelNotAvailableError(
             f"model {repo_id!r} is not a local directory and huggingface_hub is not installed to fetch it"
         ) from None
-    _progress(f"fetching {repo_id} from the Hugging Face Hub (config, tokenizer, safetensors)")
+    _progress(f"fetching {repo_id} from the Hugging Face Hub ({', '.join(allow_patterns)})")
     try:
-        local = snapshot_download(
-            repo_id,
-            allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"],
-        )
+        local = snapshot_download(repo_id, allow_patterns=allow_patterns)
     except GatedRepoError:
         raise ModelNotAvailableError(
             f"{repo_id} is a gated Hub repo: accept its license on huggingface.co and set HF_TOKEN"
@@ -261,7 +276,7 @@ def _fetch_from_hub(repo_id: str) -> Path:
         ) from None
     except Exception as exc:  # network stacks raise many types; all mean "could not fetch"
         raise ModelNotAvailableError(f"could not fetch {repo_id} from the Hugging Face Hub: {_one_line(exc)}") from None
-    return validate_model_dir(Path(local))
+    return Path(local)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lora_adapters import hf_peft_greedy_all, make_peft_adapter
 from pagedmodel import LLM, LoRARequest, SamplingParams
@@ -201,3 +202,36 @@ def test_lora_modules_at_start(engine_args, adapters, tmp_path):
     assert [a.name for a in engine.lora_registry.adapters()] == ["a8"]
     with pytest.raises(ConfigError, match="--lora-modules: .*no adapter_config.json"):
         LLMEngine(EngineArgs(**engine_args, enable_lora=True, lora_modules=[f"bad={tmp_path}"]))
+
+
+def test_hf_adapter_sources_are_fetched_from_the_hub(base_dir, adapters, monkeypatch):
+    """``hf://org/name`` (the operator's hub source, the API's lora_path) is fetched through the Hub client,
+    its PEFT files only, and is served exactly as the same directory given as a path; the Hub's refusals
+    are clear LoRAErrors (the API's 400)."""
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from pagedmodel.server.engine.model_store import ADAPTER_FILES
+
+    cfg = ModelConfig.from_args(EngineArgs(model=str(base_dir), device="cpu")).hf_config
+    calls = []
+
+    def snapshot_download(repo_id, allow_patterns):
+        calls.append((repo_id, allow_patterns))
+        if repo_id != "acme/sql-lora":
+            raise LocalEntryNotFoundError("offline")
+        return str(adapters["a8"])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    fetched = load_adapter("sql", 1, "hf://acme/sql-lora", cfg, 16)
+    local = load_adapter("sql", 2, adapters["a8"], cfg, 16)
+    assert calls == [("acme/sql-lora", ADAPTER_FILES)]
+    assert fetched.path == "hf://acme/sql-lora" and fetched.rank == local.rank == 8
+    assert fetched.weights.keys() == local.weights.keys()
+    for key, (a, b) in fetched.weights.items():
+        assert torch.equal(a, local.weights[key][0]) and torch.equal(b, local.weights[key][1])
+    with pytest.raises(LoRAError, match="the Hub is unreachable"):
+        load_adapter("x", 3, "hf://acme/missing", cfg, 16)
+    with pytest.raises(LoRAError, match="not a Hugging Face Hub id"):
+        load_adapter("x", 4, "hf://acme/a/b", cfg, 16)
+    assert len(calls) == 2    # a malformed id never reaches the Hub

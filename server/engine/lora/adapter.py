@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..model_store import ModelNotAvailableError, resolve_adapter
+
 # the HF projection names an adapter may target -> (input, output) feature counts, from the config
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -53,8 +55,12 @@ class LoRAAdapter:
 
 def load_adapter(name: str, int_id: int, path: str | Path, hf_config, max_rank: int,
                  dtype: torch.dtype = torch.float32) -> LoRAAdapter:
-    """Reads and checks the adapter; raises LoRAError with the reason when it cannot be served."""
-    root = Path(path)
+    """Reads and checks the adapter from its directory or ``hf://org/name`` (fetched from the Hub); raises
+    LoRAError with the reason when it cannot be served."""
+    try:
+        root = resolve_adapter(str(path))
+    except ModelNotAvailableError as exc:
+        raise LoRAError(str(exc)) from None
     config = _read_config(root)
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or rank < 1:
@@ -88,7 +94,8 @@ def load_adapter(name: str, int_id: int, path: str | Path, hf_config, max_rank: 
         weights[(layer, module)] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
     if not weights:
         raise LoRAError(f"adapter {name!r}: adapter_model.safetensors holds no LoRA weights")
-    return LoRAAdapter(name, int_id, str(root), rank, float(scaling), weights)
+    source = str(path) if str(path).startswith("hf://") else str(root)   # what requests and /v1/models name
+    return LoRAAdapter(name, int_id, source, rank, float(scaling), weights)
 
 
 def _read_config(root: Path) -> dict:
