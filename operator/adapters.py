@@ -24,31 +24,33 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
 _NAME = re.compile(NAME_PATTERN)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _SCHEME = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
 class AdapterSource:
-    scheme: str      # pvc | file
-    claim: str       # PVC name ("" for file://)
-    path: str        # directory inside the claim (no leading "/"), or the absolute path for file://
+    scheme: str      # pvc | file | hf
+    claim: str       # PVC name ("" for file:// and hf://)
+    path: str        # directory inside the claim (no leading "/"), the absolute path for file://, the hf:// id
 
 
 @dataclass(frozen=True)
 class Adapter:
     name: str
     source: str      # as written in the spec
-    path: str        # the directory inside the engine container, what /v1/load_lora_adapter is given
+    path: str        # what /v1/load_lora_adapter is given: a directory inside the container, or hf://ORG/NAME
 
 
 def parse_adapter_source(source: Any) -> AdapterSource:
-    """pvc://CLAIM/PATH or file:///ABS/PATH; ValueError with the reason otherwise."""
+    """pvc://CLAIM/PATH, file:///ABS/PATH or hf://ORG/NAME; ValueError with the reason otherwise."""
     m = _SCHEME.match(source) if isinstance(source, str) else None
     if not m:
-        raise ValueError(f"{source!r} is not pvc://CLAIM/PATH or file:///PATH")
+        raise ValueError(f"{source!r} is not pvc://CLAIM/PATH, file:///PATH or hf://ORG/NAME")
     scheme, rest = m["scheme"], m["rest"]
     if scheme == "hf":
-        raise ValueError("hf:// adapters are not supported yet: the engine loads adapters from directories; "
-                         "put the adapter on a PersistentVolumeClaim (pvc://CLAIM/PATH) or in the image (file://)")
+        if not _HUB_ID.match(rest):
+            raise ValueError(f"{source!r} is not a Hugging Face Hub id hf://ORG/NAME")
+        return AdapterSource("hf", "", source)
     if scheme == "pvc":
         claim, _, path = rest.partition("/")
         if not _DNS_LABEL.match(claim) or len(claim) > 253:
@@ -60,7 +62,7 @@ def parse_adapter_source(source: Any) -> AdapterSource:
             raise ValueError(f"{source!r} must name an absolute directory: file:///PATH")
         _check_path(rest)
         return AdapterSource("file", "", "/" + rest.strip("/"))
-    raise ValueError(f"scheme {scheme}:// is not one of pvc://, file://")
+    raise ValueError(f"scheme {scheme}:// is not one of pvc://, file://, hf://")
 
 
 def _check_path(path: str) -> None:
@@ -71,8 +73,9 @@ def _check_path(path: str) -> None:
 
 
 def container_path(source: AdapterSource) -> str:
-    """Where the adapter's directory is inside the engine container."""
-    if source.scheme == "file":
+    """Where the adapter's directory is inside the engine container; for hf:// the hub id itself, which the
+    engine fetches into its Hugging Face cache."""
+    if source.scheme in ("file", "hf"):
         return source.path
     root = f"{ADAPTER_MOUNT}/{source.claim}"
     return f"{root}/{source.path}" if source.path else root

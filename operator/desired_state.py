@@ -198,12 +198,13 @@ def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    if source.scheme == "hf":
-        # The root filesystem is read-only: hub downloads go to a writable scratch volume.
+    if source.scheme == "hf" or lora_enabled(spec):
+        # The root filesystem is read-only: hub downloads (the model's, or hf:// adapters') go to a writable
+        # scratch volume. Every LoRA engine gets it, so the first hf:// adapter added rolls nothing.
         env.append({"name": "HF_HOME", "value": HF_CACHE_MOUNT})
         volumes.append({"name": "hf-cache", "emptyDir": {}})
         mounts.append({"name": "hf-cache", "mountPath": HF_CACHE_MOUNT})
-    elif source.scheme == "pvc":
+    if source.scheme == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": source.name, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     adapter_vols, adapter_mounts = adapter_volumes(spec)

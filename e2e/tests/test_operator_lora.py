@@ -174,7 +174,7 @@ def test_adapters_served_through_the_service_and_added_without_restarts(cluster,
 @pytest.mark.parametrize("adapters, words", [
     ([{"name": "sql", "source": "file:///a"}, {"name": "sql", "source": "file:///b"}], "Duplicate value"),
     ([{"name": "smollm2", "source": "file:///a"}], "must differ from the model's served name"),
-    ([{"name": "sql", "source": "hf://org/sql"}], "hf:// adapters are not supported yet"),
+    ([{"name": "sql", "source": "hf://org/sql/extra"}], "spec.adapters[0].source"),
     ([{"name": "sql", "source": "pvc://claim/../x"}], "must not contain '..'"),
     ([{"name": "sql", "source": "s3://bucket/x"}], "spec.adapters[0].source"),
     ([{"name": "-sql", "source": "file:///a"}], "spec.adapters[0].name"),
@@ -185,6 +185,16 @@ def test_the_api_server_rejects_bad_adapters(cluster, namespace, pagedmodel_crd,
     result = cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(doc), namespace=namespace,
                              check=False)
     assert result.returncode != 0 and words in result.stderr, result.stderr
+
+
+def test_the_api_server_accepts_every_adapter_source_scheme(cluster, namespace, pagedmodel_crd):
+    adapters = [{"name": "sql", "source": "pvc://adapters/sql"}, {"name": "chat", "source": "file:///opt/chat"},
+                {"name": "hub", "source": "hf://acme/sql-lora.v2"}]
+    doc = {"apiVersion": "pagedmodel.io/v1alpha1", "kind": "PagedModel", "metadata": {"name": "good"},
+           "spec": {"model": {"source": "builtin://smollm2", "servedName": "smollm2"}, "adapters": adapters}}
+    result = cluster.kubectl("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(doc), namespace=namespace,
+                             check=False)
+    assert result.returncode == 0, result.stderr
 
 
 def test_the_default_served_name_is_the_object_name(cluster, namespace, pagedmodel_crd):

@@ -30,6 +30,7 @@ def engine_template(spec):
     ("pvc://adapters/team/chat/", AdapterSource("pvc", "adapters", "team/chat"), f"{ADAPTER_MOUNT}/adapters/team/chat"),
     ("pvc://one-adapter", AdapterSource("pvc", "one-adapter", ""), f"{ADAPTER_MOUNT}/one-adapter"),
     ("file:///opt/adapters/sql", AdapterSource("file", "", "/opt/adapters/sql"), "/opt/adapters/sql"),
+    ("hf://acme/sql-lora.v2", AdapterSource("hf", "", "hf://acme/sql-lora.v2"), "hf://acme/sql-lora.v2"),
 ])
 def test_sources_resolve_to_paths_inside_the_container(source, parsed, path):
     assert parse_adapter_source(source) == parsed
@@ -37,15 +38,17 @@ def test_sources_resolve_to_paths_inside_the_container(source, parsed, path):
 
 
 @pytest.mark.parametrize("source, words", [
-    ("hf://org/adapter", "hf:// adapters are not supported yet"),
-    ("s3://bucket/x", "not one of pvc://, file://"),
+    ("hf://org", "not a Hugging Face Hub id hf://ORG/NAME"),
+    ("hf://org/a/b", "not a Hugging Face Hub id hf://ORG/NAME"),
+    ("hf://org/../x", "not a Hugging Face Hub id hf://ORG/NAME"),
+    ("s3://bucket/x", "not one of pvc://, file://, hf://"),
     ("pvc://Bad_Claim/x", "not a valid Kubernetes name"),
     ("pvc://claim/../other", "'..'"),
     ("file://relative/dir", "absolute directory"),
     ("file:///", "absolute directory"),
     ("file:///a b", "whitespace"),
-    ("/opt/adapters", "is not pvc://CLAIM/PATH or file:///PATH"),
-    (42, "is not pvc://CLAIM/PATH or file:///PATH"),
+    ("/opt/adapters", "is not pvc://CLAIM/PATH, file:///PATH or hf://ORG/NAME"),
+    (42, "is not pvc://CLAIM/PATH, file:///PATH or hf://ORG/NAME"),
 ])
 def test_bad_sources_say_why(source, words):
     with pytest.raises(ValueError) as info:
@@ -60,7 +63,7 @@ def test_bad_sources_say_why(source, words):
     ([{"name": "-sql", "source": "pvc://a/sql"}], "spec.adapters[0].name", "letters, digits"),
     ([{"name": "has space", "source": "pvc://a/sql"}], "spec.adapters[0].name", "letters, digits"),
     ([{"source": "pvc://a/sql"}], "spec.adapters[0].name", "is required"),
-    ([{"name": "sql", "source": "hf://org/sql"}], "spec.adapters[0].source", "hf://"),
+    ([{"name": "sql", "source": "hf://org/sql/extra"}], "spec.adapters[0].source", "hf://ORG/NAME"),
     ([{"name": "sql"}], "spec.adapters[0].source", "pvc://CLAIM/PATH"),
     (["sql"], "spec.adapters[0]", "must be an object"),
     ({"sql": "pvc://a/sql"}, "spec.adapters", "must be a list"),
@@ -104,6 +107,20 @@ def test_adding_or_removing_adapters_on_a_mounted_claim_leaves_the_pod_template_
     assert engine_template(spec_with([])) == engine_template(spec_with([{"name": "i", "source": "file:///opt/i"}]))
 
 
+def test_hf_adapters_are_fetched_by_the_engines_into_a_writable_cache_every_lora_pod_has():
+    hub = [{"name": "sql", "source": "hf://acme/sql-lora"}]
+    template = engine_template(spec_with(hub))
+    container = template["spec"]["containers"][0]
+    assert {"name": "HF_HOME", "value": "/var/cache/huggingface"} in container["env"]
+    assert {"name": "hf-cache", "mountPath": "/var/cache/huggingface"} in container["volumeMounts"]
+    assert {"name": "hf-cache", "emptyDir": {}} in template["spec"]["volumes"]
+    # the cache is there before any hf:// adapter: adding the first one rolls nothing
+    assert template == engine_template(spec_with([])) == engine_template(spec_with(hub + [
+        {"name": "chat", "source": "hf://acme/chat-lora"}]))
+    assert [a.path for a in desired_adapters(with_defaults(spec_with(hub)))] == ["hf://acme/sql-lora"]
+    assert "HF_HOME" not in {e["name"] for e in engine_template(BASE)["spec"]["containers"][0]["env"]}
+
+
 def test_a_new_claim_adds_a_read_only_volume_and_does_change_the_template():
     spec = with_defaults(spec_with([{"name": "sql", "source": "pvc://adapters/sql"},
                                     {"name": "chat", "source": "pvc://team-b/chat"},
@@ -132,8 +149,9 @@ def test_crd_schema_carries_the_adapter_rules(crd, crd_schema):
     source = re.compile(adapters["items"]["properties"]["source"]["pattern"])
     assert name.match("sql-v2.1/team") and not name.match("-x") and not name.match("a b")
     assert source.match("pvc://adapters/sql") and source.match("file:///opt/a") and not source.match("s3://b/x")
+    assert source.match("hf://acme/sql-lora") and not source.match("hf://acme") and not source.match("hf://a/b/c")
     rules = [r["rule"] for r in adapters["items"]["x-kubernetes-validations"]]
-    assert any("hf://" in r for r in rules) and any("[.][.]" in r for r in rules)
+    assert any("[.][.]" in r for r in rules)
     root_rules = [r["rule"] for r in crd_schema["x-kubernetes-validations"]]
     assert any("servedName" in r and "self.metadata.name" in r for r in root_rules)
     engine = spec["engine"]["properties"]
