@@ -560,23 +560,38 @@ class RouterApp:
         # A stream whose engine stalls (hung, SIGSTOPped) is ended after --stream-idle-timeout, not held open.
         idle = self.cfg.limits.stream_idle_timeout if is_sse else None
         try:
-            while chunk := await asyncio.wait_for(upstream_resp.content.readany(), idle):
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(upstream_resp.content.readany(), idle)
+                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                    return await self._upstream_failed_mid_response(request, resp, up, exc, idle if is_sse else None)
+                if not chunk:
+                    break
                 meter.feed(chunk)
                 await resp.write(chunk)
             meter.finish()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-            logger.warning("upstream %s failed mid-response: %s", up.url, exc)
-            self.pool.record_failure(up)
-            if is_sse:
-                why = str(exc) or f"no data for {idle:g}s (--stream-idle-timeout)"
-                err = APIError(502, f"upstream failed mid-stream: {why}", code="upstream_failed").body()
-                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-                await resp.write(b"data: [DONE]\n\n")   # as the engine ends its failed streams
-            else:
-                # Headers are out: the only honest signal left is an incomplete body.
-                if request.transport is not None:
-                    request.transport.close()
-                return resp
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client left mid-response: not the engine's fault. Closing the upstream response drops the
+            # engine's connection, which aborts the request there and frees its KV blocks.
+            logger.info("client left mid-response from %s; request dropped upstream", up.url)
+            upstream_resp.close()
+        return resp
+
+    async def _upstream_failed_mid_response(self, request: web.Request, resp: web.StreamResponse, up: Upstream,
+                                            exc: Exception, sse_idle: float | None) -> web.StreamResponse:
+        """The engine broke off after the headers went out: an SSE error event and [DONE] end a stream
+        (``sse_idle`` is its --stream-idle-timeout); any other body is cut short, the only honest signal left."""
+        logger.warning("upstream %s failed mid-response: %s", up.url, exc)
+        self.pool.record_failure(up)
+        if sse_idle is None:
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        why = str(exc) or f"no data for {sse_idle:g}s (--stream-idle-timeout)"
+        err = APIError(502, f"upstream failed mid-stream: {why}", code="upstream_failed").body()
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")   # as the engine ends its failed streams
         await resp.write_eof()
         return resp
 

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
+from aiohttp import web
+
+from pagedmodel.server.router import app as router_app
 
 from fakes import FakeUpstream, eventually, run, running_router
 
@@ -242,6 +247,45 @@ def test_midstream_failure_surfaces_as_openai_api_error():
             assert texts == ["t0 "]
             await client.close()
         await up.stop()
+    run(main())
+
+
+def test_a_client_leaving_mid_stream_is_not_held_against_the_engine(caplog, monkeypatch):
+    """The client's connection closes while the router relays a stream, and the next write to it fails
+    (aiohttp's ClientConnectionResetError, a ConnectionResetError: the race the handler's cancellation does
+    not always win). That is the client's doing: the engine keeps a clean record (no failure counted, not
+    ejected, a failures_to_eject of 1 would show it), the router closes its upstream request so the engine
+    aborts, and nothing is logged as an upstream failure or an error (no traceback from write_eof)."""
+    class ClientGoneAfterFirstEvent(web.StreamResponse):
+        async def write(self, data: bytes) -> None:
+            if getattr(self, "_wrote", False):
+                raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+            self._wrote = True
+            await super().write(data)
+
+    patched_web = SimpleNamespace(**{**vars(web), "StreamResponse": ClientGoneAfterFirstEvent})
+    monkeypatch.setattr(router_app, "web", patched_web)
+
+    async def main():
+        up = FakeUpstream("a")
+        up.between = asyncio.Event()                   # the engine holds its second event until the first is read
+        await started(up)
+        async with running_router(upstreams=[up.url], failures_to_eject=1) as (app, base):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(base + "/v1/completions", json={"prompt": "x", "stream": True, "n_chunks": 50}) as r:
+                    body = await r.content.readline()
+                    up.between.set()
+                    body += await r.read()
+            assert body.count(b"data: ") == 1          # the first event only: the rest had nowhere to go
+            upstream = app.pool.upstreams[up.url]
+            assert upstream.consecutive_failures == 0 and not upstream.ejected
+            async with aiohttp.ClientSession() as s, s.post(base + "/v1/completions", json={"prompt": "y"}) as r:
+                assert r.status == 200 and (await r.json())["upstream"] == "a"
+        await up.stop()
+        assert "client left mid-response" in caplog.text
+        assert "failed mid-response" not in caplog.text and "Traceback" not in caplog.text
+        assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    caplog.set_level(logging.INFO)
     run(main())
 
 
