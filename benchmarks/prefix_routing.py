@@ -144,7 +144,8 @@ async def drive(router_url: str, engine_urls: list[str], prompts: list[str], war
     return {"hit_rate": (h1 - h0) / (q1 - q0), "ttft_mean": statistics.fmean(ttfts),
             "ttft_p50": statistics.median(ttfts), "ttft_p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
             "wall_s": wall, "requests": len(ttfts), "hit_tokens": h1 - h0, "query_tokens": q1 - q0,
-            "per_engine_hit_query_tokens": per_engine, "placement": placement}
+            "per_engine_hit_query_tokens": per_engine, "placement": placement,
+            "ttfts": ttfts, "tenants": [r.tenant for r in measured]}   # per request, in schedule order (--json)
 
 
 def run_strategy(strategy: str, model: Path, args: argparse.Namespace, prompts: list[str],
@@ -265,6 +266,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"p50 {r['ttft_p50']:6.2f}s  p99 {r['ttft_p99']:6.2f}s  (wall {r['wall_s']:.0f}s, "
               f"load {load0:.1f} -> {r['loadavg_after']:.1f}, prompt tokens per engine {shares})", flush=True)
         p = r["placement"]
+        slow = sorted(zip(r["ttfts"], r["tenants"]), reverse=True)[:3]
+        print(f"{'':>13}  slowest: " + ", ".join(f"{t:.2f}s (tenant {n})" for t, n in slow), flush=True)
         print(f"{'':>13}  full misses per engine {list(p['full_misses_per_engine'].values())}, evictions "
               f"{list(p['evictions_per_engine'].values())}, tenants computed on 1/2/3 engines "
               f"{[p['tenants_computed_on_n_engines'].get(k, 0) for k in (1, 2, 3)]}", flush=True)
