@@ -4,10 +4,10 @@ Row by row, a 64-row decode step spent about as long sampling as computing: top-
 49k-token vocabulary of every row, and the draw (an exponential race) made one random number per token.
 Here each filter is one batched op over ``[rows, vocab]``:
 
-- top-p looks for the nucleus among each row's ``NUCLEUS_CANDIDATES`` most likely tokens (a partial
-  top-k, not a sort). When their mass reaches ``top_p`` the nucleus is inside them: the kept tokens are
-  the full sort's, and the row is drawn from those candidates alone. Rows where it does not (very flat
-  distributions) fall back to a full sort.
+- top-p looks for the nucleus among each row's 256 most likely tokens (a partial top-k, not a sort),
+  then among its 4,096 for the rows whose nucleus is wider (``NUCLEUS_CANDIDATES``). When the
+  candidates' mass reaches ``top_p`` the nucleus is inside them: the kept tokens are the full sort's,
+  and the row is drawn from those candidates alone. Only rows flatter than that sort the vocabulary.
 - the draw is an inverse-CDF lookup with one uniform number per row from that row's own generator, so
   a seeded sample's tokens do not depend on what else shares its batch.
 
@@ -23,7 +23,8 @@ import torch
 
 from .sampling_params import SamplingParams
 
-NUCLEUS_CANDIDATES = 256
+# candidate set widths tried in turn: a partial top-k of 4,096 still costs a fraction of a full sort
+NUCLEUS_CANDIDATES = (256, 4096)
 
 
 @dataclass
@@ -50,8 +51,9 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def truncate(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[Candidates]:
-    """The rows' distributions after temperature, top-k, min-p and top-p: rows whose nucleus lies among
-    their ``NUCLEUS_CANDIDATES`` most likely tokens keep only those candidates; the others keep the vocabulary."""
+    """The rows' distributions after temperature, top-k, min-p and top-p: a row with top-p keeps only the
+    candidates of the first ``NUCLEUS_CANDIDATES`` width that holds its nucleus (else the sorted vocabulary);
+    the others keep the vocabulary in order."""
     device, dtype = logits.device, logits.dtype
     vocab = logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], dtype=dtype, device=device)[:, None]
@@ -67,19 +69,22 @@ def truncate(logits: torch.Tensor, params: Sequence[SamplingParams]) -> list[Can
     nucleus = [i for i, p in enumerate(params) if p.top_p < 1.0]
     whole = [i for i, p in enumerate(params) if p.top_p >= 1.0]
     groups = [Candidates(whole, probs[whole], None)] if whole else []
-    if nucleus:
-        top_p = torch.tensor([params[i].top_p for i in nucleus], dtype=dtype, device=device)
-        values, order = torch.topk(probs[nucleus], min(NUCLEUS_CANDIDATES, vocab), dim=-1)   # most likely first
-        inside = (values.sum(dim=-1) >= top_p).tolist()   # the nucleus lies within these candidates
+    top_p = {i: params[i].top_p for i in nucleus}
+    for width in NUCLEUS_CANDIDATES:    # the smallest candidate set that holds each row's nucleus
+        if not nucleus:
+            break
+        mass = torch.tensor([top_p[i] for i in nucleus], dtype=dtype, device=device)
+        values, order = torch.topk(probs[nucleus], min(width, vocab), dim=-1)   # most likely first
+        inside = (values.sum(dim=-1) >= mass).tolist()
         near = [j for j, ok in enumerate(inside) if ok]
         if near:
-            kept = values[near] * _prefix_keep(values[near], top_p[near])
+            kept = values[near] * _prefix_keep(values[near], mass[near])
             groups.append(Candidates([nucleus[j] for j in near], kept, order[near]))
-        flat = [j for j, ok in enumerate(inside) if not ok]
-        if flat:
-            values, order = torch.sort(probs[[nucleus[j] for j in flat]], dim=-1, descending=True)
-            kept = values * _prefix_keep(values, top_p[flat])
-            groups.append(Candidates([nucleus[j] for j in flat], kept, order))
+        nucleus = [i for i, ok in zip(nucleus, inside) if not ok]
+    if nucleus:                         # flatter than the widest candidate set: sort the whole vocabulary
+        mass = torch.tensor([top_p[i] for i in nucleus], dtype=dtype, device=device)
+        values, order = torch.sort(probs[nucleus], dim=-1, descending=True)
+        groups.append(Candidates(nucleus, values * _prefix_keep(values, mass), order))
     return groups
 
 

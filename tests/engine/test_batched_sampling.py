@@ -110,13 +110,20 @@ def test_truncation_keeps_the_reference_tokens_with_the_reference_probabilities(
         torch.testing.assert_close(got[i] / got[i].sum(), want, rtol=1e-4, atol=1e-7)
 
 
-def test_top_p_falls_back_to_the_full_sort_when_the_candidates_hold_too_little(monkeypatch):
-    monkeypatch.setattr(random_sampling, "NUCLEUS_CANDIDATES", 8)
-    logits = torch.zeros(2, VOCAB)                      # uniform: 8 candidates hold 8 / 2000 of the mass
-    logits[1, :4] = 20.0                                # peaked: the nucleus is 4 tokens, inside the candidates
-    got = truncated_probs(logits, [SamplingParams(top_p=0.5), SamplingParams(top_p=0.45)])
-    assert int((got[0] > 0).sum()) == VOCAB // 2        # the full sort's answer, not the 8 candidates
-    assert int((got[1] > 0).sum()) == 2                 # 0.25 + 0.25 reaches 0.45
+def test_top_p_widens_its_candidates_then_sorts_when_they_hold_too_little(monkeypatch):
+    monkeypatch.setattr(random_sampling, "NUCLEUS_CANDIDATES", (8, 64))
+    logits = torch.zeros(3, VOCAB)                      # row 0 uniform: 64 candidates hold 64 / 2000 of the mass
+    logits[1, :4] = torch.tensor([20.0, 19.9, 19.8, 19.7])      # peaked: a nucleus inside the first 8
+    logits[2, :30] = 20.0 - 0.01 * torch.arange(30.0)           # 30 likely tokens: beyond 8 candidates, inside 64
+    params = [SamplingParams(top_p=0.5), SamplingParams(top_p=0.45), SamplingParams(top_p=0.5)]
+    groups = truncate(logits, params)
+    assert sorted((g.rows, g.probs.shape[-1]) for g in groups) == [([0], VOCAB), ([1], 8), ([2], 64)]
+    got = truncated_probs(logits, params)
+    assert int((got[0] > 0).sum()) == VOCAB // 2        # the full sort's answer
+    assert int((got[1] > 0).sum()) == 2                 # 0.29 + 0.26 reaches 0.45
+    assert 14 <= int((got[2] > 0).sum()) <= 16          # about half of the 30 reach 0.5
+    for i, p in enumerate(params):
+        assert torch.equal(got[i] > 0, reference_probs(logits[i], p) > 0)
 
 
 def test_inverse_cdf_follows_the_distribution_and_never_draws_a_zero():
