@@ -47,7 +47,7 @@ def tune_malloc(environ: dict[str, str] | None = None) -> dict[str, int]:
             continue
         if mallopt(param, value) == 1:   # mallopt returns 1 on success
             applied[env_name] = value
-    if applied:
-        logger.info("malloc: %s (fixed mmap threshold and few arenas keep engine RSS from creeping; "
+    if applied:   # debug, not info: a serve that fails to load must print nothing but its one error line
+        logger.debug("malloc: %s (fixed mmap threshold and few arenas keep engine RSS from creeping; "
                     "set these environment variables to override)", ", ".join(f"{k}={v}" for k, v in applied.items()))
     return applied
