@@ -23,7 +23,7 @@ from .errors import APIError
 from .http_limits import HTTPLimits
 
 
-def _raw_error(transport: asyncio.Transport, error: APIError) -> None:
+def write_raw_error(transport: asyncio.Transport, error: APIError) -> None:
     """Write `error` as a complete JSON response on a connection the app never saw, then close it.
 
     Written as raw bytes: h11 refuses to send a response while no request head was parsed (408) or
@@ -94,7 +94,7 @@ def limited_protocol(limits: HTTPLimits) -> type[H11Protocol]:
             if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
                 return
             if self.conn.trailing_data[0]:   # part of a request head came, the rest never did: 408
-                _raw_error(self.transport, APIError(
+                write_raw_error(self.transport, APIError(
                     408, f"request headers not received within {limits.request_read_timeout:g}s",
                     code="request_timeout"))
             else:
@@ -123,6 +123,6 @@ def limited_protocol(limits: HTTPLimits) -> type[H11Protocol]:
                                       f"bytes (--max-header-bytes)", code="headers_too_large")
             else:
                 error = APIError(status, f"invalid HTTP request: {exc or msg}", code="invalid_http_request")
-            _raw_error(self.transport, error)
+            write_raw_error(self.transport, error)
 
     return LimitedH11Protocol

@@ -701,7 +701,8 @@ async def serve(app: RouterApp, host: str, port: int, ready: Callable[[int], Awa
     """Run until `stop` is set (or forever). `ready(port)` is called once listening (tests use port 0)."""
     limits = app.cfg.limits
     # aiohttp bounds each head line (a longer one is a JSON 431 through the runner), http_guard.py the whole head.
-    runner = JSONErrorsAppRunner(app.build(), max_header_bytes=limits.max_header_bytes, handler_cancellation=True,
+    runner = JSONErrorsAppRunner(app.build(), max_header_bytes=limits.max_header_bytes,
+                                 request_read_timeout=limits.request_read_timeout, handler_cancellation=True,
                                  access_log=None, shutdown_timeout=DRAIN_S, keepalive_timeout=limits.keep_alive_timeout,
                                  max_line_size=limits.max_header_bytes, max_field_size=limits.max_header_bytes)
     await runner.setup()

@@ -3,11 +3,12 @@ the head's size, and (for POSTs) the body's size, arrival time, JSON and field l
 limits and messages (pagedmodel.server.api.http_limits), so both servers answer alike.
 
 Every refusal, aiohttp's own 404/405 and the errors its HTTP parser raises before any handler runs (one
-header line over --max-header-bytes: 431; a malformed request line or header: 400) leave as the OpenAI
-error body (`JSONErrorsAppRunner`).
+header line over --max-header-bytes: 431; a malformed request line or header: 400; a head still
+incomplete after --request-read-timeout: 408) leave as the OpenAI error body (`JSONErrorsAppRunner`).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +20,7 @@ from aiohttp.web_protocol import RequestHandler
 from pagedmodel.server.api.api_key import key_matches, unauthorized
 from pagedmodel.server.api.errors import APIError
 from pagedmodel.server.api.http_limits import HTTPLimits, read_body
+from pagedmodel.server.api.http_protocol import write_raw_error
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -75,8 +77,48 @@ def protocol_error(status: int, exc: BaseException | None, max_header_bytes: int
 
 class _JSONErrorsRequestHandler(RequestHandler):
     """aiohttp's connection handler, whose own error answers (the parser's 400s, a 500 outside any
-    handler) are JSON bodies instead of plain text; it still logs them and closes the connection."""
-    max_header_bytes = 0   # set on the subclass JSONErrorsAppRunner makes
+    handler) are JSON bodies instead of plain text; it still logs them and closes the connection.
+
+    It also bounds the time a request head may take: aiohttp alone closes a connection that trickles
+    its head at the keep-alive timeout, unanswered. Here the first byte of a head arms a deadline of
+    ``request_read_timeout`` (the keep-alive close waits for it); a head still incomplete then gets
+    the engine's JSON 408 and the connection is closed. The body has its own 408 (``read_body``)."""
+    max_header_bytes = 0           # both set on the subclass JSONErrorsAppRunner makes
+    request_read_timeout = 30.0
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def _idle(self) -> bool:
+        """Between requests: bytes arriving now are the start of the next request head."""
+        waiting = self._waiter is not None and not self._waiter.done()
+        return not self._messages and not self._request_in_progress and (waiting or self._request_count == 0)
+
+    def data_received(self, data: bytes) -> None:
+        idle, heads = self._idle(), self._request_count
+        super().data_received(data)
+        if self._request_count != heads:
+            self._cancel_head_deadline()
+        elif idle and data and self._head_deadline is None:
+            deadline = self._loop.time() + self.request_read_timeout
+            self._head_deadline = self._loop.call_at(deadline, self._head_timed_out)
+            self._next_keepalive_close_time = max(self._next_keepalive_close_time, deadline + 1.0)
+
+    def _cancel_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        self._head_deadline = None
+        transport = self.transport
+        if transport is None or transport.is_closing() or not self._idle():
+            return
+        write_raw_error(transport, APIError(408, f"request headers not received within "
+                                                 f"{self.request_read_timeout:g}s", code="request_timeout"))
+        self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_head_deadline()
+        super().connection_lost(exc)
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -96,14 +138,16 @@ class _JSONErrorsServer(web.Server):
 class JSONErrorsAppRunner(web.AppRunner):
     """`web.AppRunner` whose connections answer HTTP-level errors with the OpenAI error body."""
 
-    def __init__(self, app: web.Application, *, max_header_bytes: int, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, *, max_header_bytes: int, request_read_timeout: float,
+                 **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self._max_header_bytes = max_header_bytes
+        self._read_timeout = request_read_timeout
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         handler = type("JSONErrorsRequestHandler", (_JSONErrorsRequestHandler,),
-                       {"max_header_bytes": self._max_header_bytes})
+                       {"max_header_bytes": self._max_header_bytes, "request_read_timeout": self._read_timeout})
         server.__class__ = type("JSONErrorsServer", (_JSONErrorsServer,), {"handler_class": handler})
         return server
 

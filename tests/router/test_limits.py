@@ -83,10 +83,46 @@ def test_slow_clients_and_big_heads_get_bounded_answers() -> None:
                                         0.2, 15)
             assert_openai_error(r.status or 0, r.body, 408)
             assert r.elapsed < LIMITS.request_read_timeout + 3
-            # headers trickled: the connection is closed at the keep-alive timeout, unanswered
+            # headers trickled: the JSON 408 once --request-read-timeout has passed since the head's first byte
             r = await asyncio.to_thread(trickle, port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
                                         b"X-Slow: aaaa", 0.2, 15)
-            assert r.status is None and r.elapsed < LIMITS.keep_alive_timeout + 3
+            assert assert_openai_error(r.status or 0, r.body, 408)["code"] == "request_timeout"
+            assert r.elapsed < LIMITS.request_read_timeout + 3
+            assert up.served == []
+        await up.stop()
+    run(main())
+
+
+def test_a_head_gets_the_read_timeout_not_the_shorter_keep_alive_and_idle_connections_still_close() -> None:
+    """A trickled head is answered 408 at --request-read-timeout even when --keep-alive-timeout is
+    shorter (aiohttp alone would close it then, unanswered); a connection that sends nothing, or
+    nothing after a served request, is still closed silently at the keep-alive timeout."""
+    limits = HTTPLimits(request_read_timeout=2.5, keep_alive_timeout=0.5)
+
+    async def main() -> None:
+        up = FakeUpstream("a")
+        await up.start()
+        async with running_router(upstreams=[up.url], limits=limits) as (_app, base):
+            port = port_of(base)
+            r = await asyncio.to_thread(trickle, port, b"GET /v1/models HTTP/1.1\r\n", b"X-Slow: aaaaaaaa", 0.2, 15)
+            assert_openai_error(r.status or 0, r.body, 408)
+            assert limits.request_read_timeout - 0.5 < r.elapsed < limits.request_read_timeout + 3
+            sock = await asyncio.to_thread(connect, port)
+            try:
+                await asyncio.sleep(1.5)   # nothing sent: closed at the keep-alive timeout, no 408 written
+                assert await asyncio.to_thread(sock.recv, 4096) == b""
+            finally:
+                sock.close()
+            sock = await asyncio.to_thread(connect, port)
+            try:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                sock.settimeout(10)
+                first = await asyncio.to_thread(sock.recv, 65536)
+                assert first.startswith(b"HTTP/1.1 200")
+                await asyncio.sleep(1.5)   # idle after a served request: closed, no 408
+                assert await asyncio.to_thread(sock.recv, 4096) == b""
+            finally:
+                sock.close()
             assert up.served == []
         await up.stop()
     run(main())
