@@ -6,7 +6,10 @@
 // (causal). Each (row, kv head) pair is one work item: it walks the row's own blocks once for keys
 // and once for values, for all the query heads sharing that kv head (GQA), so the cost is the sum
 // of the rows' own lengths -- never batch x longest -- and nothing is copied or upcast up front.
-// Accumulation is float32 whatever the cache dtype (float32, bfloat16, float16).
+// Accumulation is float32 whatever the cache dtype (float32, bfloat16, float16). Each block is
+// converted to float32 once per (row, kv head) into a small buffer that stays in L1, and the group's
+// query heads all read it; the loops are shaped for the compiler's vectorizer (no intrinsics, so the
+// same source builds for AVX2, AVX-512 or anything else with -march=native).
 //
 // Built at run time by kernels/cpu_paged_attention.py (torch.utils.cpp_extension), registered as
 // torch.ops.pagedmodel.paged_rows_attention.
@@ -40,6 +43,120 @@ inline float load(c10::Half x) { return static_cast<float>(x); }
 template <typename T>
 inline void store(T* dst, float v) { *dst = static_cast<T>(v); }
 
+// exp(x) for x <= 0 (softmax scores after subtracting the row's max), written so that a simd loop
+// vectorizes it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2 in two parts,
+// exp(r) by a degree-6 minimax polynomial, times 2^n built in the exponent bits. Relative error
+// below 2e-7 (a few float ulps); x below -87 gives ~1e-38 instead of 0, nothing next to the max's 1.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// max(x[0..n)), n >= 1: sixteen running maxima side by side, which vectorizes without reassociating
+// a reduction (a plain max reduction loop stays scalar without -ffast-math).
+inline float row_max(const float* x, int64_t n) {
+  float lanes[16];
+  std::fill(lanes, lanes + 16, x[0]);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) lanes[j] = lanes[j] < x[t + j] ? x[t + j] : lanes[j];
+  }
+  float m = x[0];
+  for (int j = 0; j < 16; ++j) m = std::max(m, lanes[j]);
+  for (; t < n; ++t) m = std::max(m, x[t]);
+  return m;
+}
+
+// One block's rows of one kv head as float32, token-major: out[i * dim + d].
+template <typename T>
+inline void block_to_float(const T* base, int64_t n, int64_t token_stride, int64_t dim, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* src = base + i * token_stride;
+    float* dst = out + i * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) dst[d] = load(src[d]);
+  }
+}
+
+// Scores of one block: s[g * stride + i] = q_g . k_i for the group's query heads. Four tokens at a
+// time, so each query chunk loaded feeds four independent dot products.
+inline void block_scores(const float* q, const float* k, int64_t n, int64_t group, int64_t dim, float* s,
+                         int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * dim;
+    float* sg = s + g * stride;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const float *k0 = k + i * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t d = 0; d < dim; ++d) {
+        a0 += qg[d] * k0[d];
+        a1 += qg[d] * k1[d];
+        a2 += qg[d] * k2[d];
+        a3 += qg[d] * k3[d];
+      }
+      sg[i] = a0, sg[i + 1] = a1, sg[i + 2] = a2, sg[i + 3] = a3;
+    }
+    for (; i < n; ++i) {
+      const float* ki = k + i * dim;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t d = 0; d < dim; ++d) a += qg[d] * ki[d];
+      sg[i] = a;
+    }
+  }
+}
+
+// acc_g += sum_i p_g[i] v_i for one block, four tokens per pass over acc_g: one load and store of
+// the accumulator per four multiply-adds (a token at a time, each pass would wait on the last one's
+// store). The vector loop is the d loop.
+inline void block_values(const float* p, const float* v, int64_t n, int64_t group, int64_t dim, float* acc,
+                         int64_t stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* pg = p + g * stride;
+    float* ag = acc + g * dim;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const float *v0 = v + i * dim, *v1 = v0 + dim, *v2 = v1 + dim, *v3 = v2 + dim;
+      const float p0 = pg[i], p1 = pg[i + 1], p2 = pg[i + 2], p3 = pg[i + 3];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ag[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
+    }
+    for (; i < n; ++i) {
+      const float* vi = v + i * dim;
+      const float pi = pg[i];
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ag[d] += pi * vi[d];
+    }
+  }
+}
+
+// Asks for the next block's rows of this kv head while the current one is worked on: blocks sit
+// anywhere in the cache, so the hardware prefetcher cannot guess the next one.
+template <typename T>
+inline void prefetch_block(const T* base, int64_t n, int64_t token_stride, int64_t dim) {
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < n; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + i * token_stride);
+    for (int64_t off = 0; off < bytes; off += 128) __builtin_prefetch(row + off);   // the L2 fetches line pairs
+  }
+}
+
 template <typename T>
 void rows_attention(const T* query, const T* cache, const int32_t* tables, const int64_t* row_seq,
                     const int32_t* row_len, T* out, int64_t rows, int64_t q_heads, int64_t kv_heads,
@@ -54,39 +171,39 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row_len[a] > row_len[b]; });
   std::atomic<int64_t> next{0};
   const int64_t items = rows * kv_heads;
+  const int64_t stride = std::max<int64_t>(max_len, 1);  // scores[g * stride + t]
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> q(group * dim), acc(group * dim), scores(group * std::max<int64_t>(max_len, 1));
-    std::vector<float> sums(group);
+    std::vector<float> q(group * dim), acc(group * dim), scores(group * stride), sums(group);
+    std::vector<float> block(block_size * dim);  // the block being read, converted to float32
     for (int64_t taken = next++; taken < items; taken = next++) {
       const int64_t r = order[taken / kv_heads], h = taken % kv_heads;
       const int64_t len = row_len[r];
       const int32_t* table = tables + row_seq[r] * table_width;
       for (int64_t g = 0; g < group; ++g) {
         const T* src = query + (r * q_heads + h * group + g) * dim;
+#pragma omp simd
         for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = load(src[d]) * scale;
       }
       // keys: scores[g][t] = q_g . k_t, walking the row's own blocks in order
+      auto block_base = [&](int64_t t0, int64_t offset) {
+        return cache + offset + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * token_stride + h * dim;
+      };
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* base = cache + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * token_stride + h * dim;
         const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const T* k = base + i * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * dim;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < dim; ++d) s += qg[d] * load(k[d]);
-            scores[g * len + t0 + i] = s;
-          }
-        }
+        const T* base = block_base(t0, 0);
+        const int64_t t1 = t0 + block_size;   // next: this row's next key block, or its first value block
+        if (t1 < len) prefetch_block(block_base(t1, 0), std::min(block_size, len - t1), token_stride, dim);
+        else prefetch_block(block_base(0, plane), std::min(block_size, len), token_stride, dim);
+        block_to_float(base, n, token_stride, dim, block.data());
+        block_scores(q.data(), block.data(), n, group, dim, scores.data() + t0, stride);
       }
       for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float m = sg[0];
-        for (int64_t t = 1; t < len; ++t) m = std::max(m, sg[t]);
+        float* sg = scores.data() + g * stride;
+        const float m = row_max(sg, len);
         float total = 0.f;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - m);
+          sg[t] = exp_nonpositive(sg[t] - m);
           total += sg[t];
         }
         sums[g] = total;
@@ -94,17 +211,12 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
       std::fill(acc.begin(), acc.end(), 0.f);
       // values: acc[g] += p_g[t] * v_t
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* base = cache + plane + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * token_stride + h * dim;
         const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const T* v = base + i * token_stride;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t0 + i];
-            float* a = acc.data() + g * dim;
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * load(v[d]);
-          }
-        }
+        const T* base = block_base(t0, plane);
+        if (t0 + block_size < len)
+          prefetch_block(block_base(t0 + block_size, plane), std::min(block_size, len - t0 - block_size), token_stride, dim);
+        block_to_float(base, n, token_stride, dim, block.data());
+        block_values(scores.data() + t0, block.data(), n, group, dim, acc.data(), stride);
       }
       for (int64_t g = 0; g < group; ++g) {
         T* dst = out + (r * q_heads + h * group + g) * dim;

@@ -26,7 +26,8 @@ log = logging.getLogger("pagedmodel.kernels.cpu_op")
 OP_ENV = "PAGEDMODEL_CPU_ATTENTION_OP"
 OP_ENV_VALUES = ("auto", "off")
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
+          "-fno-math-errno"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}   # "op": the loaded op or None, "error": why it is None

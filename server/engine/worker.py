@@ -26,7 +26,7 @@ class Worker:
         self.model = LlamaForCausalLM(mc.hf_config, max_positions=mc.max_model_len)
         load_weights(self.model, mc.model_dir, self.dtype, self.device)
         self.model.eval()
-        self.model.use_packed_linears()   # fp32 on CPU only; a no-op elsewhere
+        self.model.use_packed_linears()   # CPU fp32, or bf16 with native bf16; a no-op elsewhere
 
         per_block = bytes_per_block(mc.num_layers, args.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.num_blocks = num_kv_blocks(args, mc, self.model, self.backend, self.device, self.dtype, per_block,

@@ -12,8 +12,13 @@ from pagedmodel.kernels.cpu_linear import PackedLinear, pack_linears
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
 
 
+FP32_MIN = cpu_linear.MIN_ROWS[torch.float32]
+bf16_packs = pytest.mark.skipif(not cpu_linear.applies(torch.zeros(2, 2, dtype=torch.bfloat16)),
+                                reason="no native bf16 on this CPU (AMX / AVX512-BF16): bf16 stays unpacked")
+
+
 @needs_mkldnn
-@pytest.mark.parametrize("rows", [0, 1, cpu_linear.MIN_ROWS - 1, cpu_linear.MIN_ROWS, 64])
+@pytest.mark.parametrize("rows", [0, 1, FP32_MIN - 1, FP32_MIN, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -31,10 +36,32 @@ def test_packed_path_is_taken_from_min_rows(monkeypatch):
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
     layer = PackedLinear(torch.randn(16, 8))
-    layer(torch.randn(cpu_linear.MIN_ROWS - 1, 8))
+    layer(torch.randn(FP32_MIN - 1, 8))
     assert calls == []
-    layer(torch.randn(cpu_linear.MIN_ROWS, 8))
+    layer(torch.randn(FP32_MIN, 8))
     assert calls == [1]
+
+
+@bf16_packs
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_bf16_packed_matches_f_linear_from_one_row(rows, monkeypatch):
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        got = PackedLinear(w)(x)
+    assert calls == [1]   # bf16 packs pay from one row on
+    torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_is_packed_only_with_native_bf16():
+    w = torch.zeros(4, 4, dtype=torch.bfloat16)
+    assert not cpu_linear.applies(w, native_bf16=False)
+    assert cpu_linear.applies(w, native_bf16=True) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not cpu_linear.applies(torch.zeros(4, 4, dtype=torch.float16), native_bf16=True)
 
 
 def _net(dtype=torch.float32) -> nn.Module:
@@ -54,7 +81,8 @@ def test_pack_linears_replaces_fp32_layers_and_keeps_their_parameters():
         torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_pack_linears_leaves_bf16_layers_and_honours_off(monkeypatch):
+def test_pack_linears_leaves_bf16_layers_without_native_bf16_and_honours_off(monkeypatch):
+    monkeypatch.setattr(cpu_linear.cpu_features, "has_native_bf16", lambda: False)
     assert pack_linears(_net(torch.bfloat16)) == 0
     monkeypatch.setenv(cpu_linear.LINEAR_ENV, "off")
     net = _net()

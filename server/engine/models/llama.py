@@ -159,8 +159,9 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, self.embed_tokens.weight).float()
 
     def use_packed_linears(self) -> int:
-        """fp32 on CPU: every projection and the head through oneDNN-prepacked weights
-        (``kernels/cpu_linear.py``); returns how many layers were packed (0: not applicable or off)."""
+        """On CPU (float32, or bfloat16 where the CPU has native bf16): every projection and the head
+        through oneDNN-prepacked weights (``kernels/cpu_linear.py``); returns how many layers were
+        packed (0: not applicable or off)."""
         packed = cpu_linear.pack_linears(self)
         if packed and self.lm_head is None and cpu_linear.applies(self.embed_tokens.weight):
             self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight)
