@@ -151,7 +151,7 @@ async def drive(router_url: str, engine_urls: list[str], prompts: list[str], war
 def run_strategy(strategy: str, model: Path, args: argparse.Namespace, prompts: list[str],
                  warmup: list[Request], measured: list[Request], logs: Path,
                  tenants_by_block: dict[bytes, int]) -> dict[str, Any]:
-    ports = [free_port() for _ in range(args.engines)]
+    ports = args.engine_ports
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     engines = [start(["serve", "--model", str(model), "--device", "cpu", "--host", "127.0.0.1", "--port", str(p),
                       "--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_bytes),
@@ -199,6 +199,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every strategy this many times, interleaved (s1 s2 .. s1 s2 ..); the summary pools "
+                         "each strategy's requests over its runs")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--logs", type=Path, default=None, help="keep the engine and router logs here (default: a temp dir)")
     ap.add_argument("--router-log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -209,8 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [s for s in args.strategies.split(",") if s not in STRATEGIES]
     if bad:
         ap.error(f"unknown strategies {bad}; choose from {', '.join(STRATEGIES)}")
-    if not 0 < args.kv_fraction <= 1 or args.requests < 1 or args.warmup < 0 or args.engines < 1:
-        ap.error("need 0 < --kv-fraction <= 1, --requests >= 1, --warmup >= 0, --engines >= 1")
+    if not 0 < args.kv_fraction <= 1 or args.requests < 1 or args.warmup < 0 or args.engines < 1 or args.repeats < 1:
+        ap.error("need 0 < --kv-fraction <= 1, --requests >= 1, --warmup >= 0, --engines >= 1, --repeats >= 1")
     return args
 
 
@@ -255,31 +258,56 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
           f"({args.kv_fraction:.0%} of the {sum(lengths)} system-prompt tokens), {len(prompts)} system prompts of "
           f"{min(lengths)}-{max(lengths)} tokens, tenant shares {hot[0]:.0%} .. {hot[-1]:.1%} (skew {args.skew}); "
           f"{args.warmup} warm-up + {args.requests} measured requests at {args.rate}/s, seed {args.seed}", flush=True)
-    results: dict[str, Any] = {}
-    for strategy in args.strategies.split(","):
-        load0 = os.getloadavg()[0]
-        r = run_strategy(strategy, model, args, prompts, warmup, measured, work, tenants_by_block)
-        r["loadavg_before"], r["loadavg_after"] = load0, os.getloadavg()[0]
-        results[strategy] = r
-        shares = " / ".join(f"{q / r['query_tokens']:.0%}" for _, q in r["per_engine_hit_query_tokens"])
-        print(f"{strategy:>13}: hit rate {r['hit_rate']:6.1%}  TTFT mean {r['ttft_mean']:6.2f}s  "
-              f"p50 {r['ttft_p50']:6.2f}s  p99 {r['ttft_p99']:6.2f}s  (wall {r['wall_s']:.0f}s, "
-              f"load {load0:.1f} -> {r['loadavg_after']:.1f}, prompt tokens per engine {shares})", flush=True)
-        p = r["placement"]
-        slow = sorted(zip(r["ttfts"], r["tenants"]), reverse=True)[:3]
-        print(f"{'':>13}  slowest: " + ", ".join(f"{t:.2f}s (tenant {n})" for t, n in slow), flush=True)
-        print(f"{'':>13}  full misses per engine {list(p['full_misses_per_engine'].values())}, evictions "
-              f"{list(p['evictions_per_engine'].values())}, tenants computed on 1/2/3 engines "
-              f"{[p['tenants_computed_on_n_engines'].get(k, 0) for k in (1, 2, 3)]}", flush=True)
-    return {"kv_tokens": kv_tokens, "prompt_tokens": lengths, "tenant_weights": weights, "results": results}
+    # The same engine addresses for every strategy and run: the hash strategies place a prompt by a
+    # rendezvous hash over the upstream URLs, so fresh random ports would give each strategy its own
+    # placement luck (one run's hottest tenants sharing an engine, another's not).
+    args.engine_ports = [free_port() for _ in range(args.engines)]
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.strategies.split(",")}
+    for rep in range(args.repeats):
+        for strategy in runs:
+            load0 = os.getloadavg()[0]
+            logs = work / f"run{rep}"
+            logs.mkdir(exist_ok=True)
+            r = run_strategy(strategy, model, args, prompts, warmup, measured, logs, tenants_by_block)
+            r["loadavg_before"], r["loadavg_after"] = load0, os.getloadavg()[0]
+            runs[strategy].append(r)
+            report_run(strategy, rep, r)
+    results = {s: pooled(rs) for s, rs in runs.items()}
+    return {"kv_tokens": kv_tokens, "prompt_tokens": lengths, "tenant_weights": weights, "results": results,
+            "runs": runs}
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One strategy's runs as one sample: hit rate over all their tokens, TTFTs over all their requests."""
+    ttfts = sorted(t for r in runs for t in r["ttfts"])
+    hits, queries = sum(r["hit_tokens"] for r in runs), sum(r["query_tokens"] for r in runs)
+    return {"hit_rate": hits / queries, "hit_tokens": hits, "query_tokens": queries,
+            "ttft_mean": statistics.fmean(ttfts), "ttft_p50": statistics.median(ttfts),
+            "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], "requests": len(ttfts), "runs": len(runs)}
+
+
+def report_run(strategy: str, rep: int, r: dict[str, Any]) -> None:
+    load0 = r["loadavg_before"]
+    shares = " / ".join(f"{q / r['query_tokens']:.0%}" for _, q in r["per_engine_hit_query_tokens"])
+    print(f"run {rep} {strategy:>13}: hit rate {r['hit_rate']:6.1%}  TTFT mean {r['ttft_mean']:6.2f}s  "
+          f"p50 {r['ttft_p50']:6.2f}s  p99 {r['ttft_p99']:6.2f}s  (wall {r['wall_s']:.0f}s, "
+          f"load {load0:.1f} -> {r['loadavg_after']:.1f}, prompt tokens per engine {shares})", flush=True)
+    p = r["placement"]
+    slow = sorted(zip(r["ttfts"], r["tenants"]), reverse=True)[:3]
+    print(f"{'':>13}  slowest: " + ", ".join(f"{t:.2f}s (tenant {n})" for t, n in slow), flush=True)
+    print(f"{'':>13}  full misses per engine {list(p['full_misses_per_engine'].values())}, evictions "
+          f"{list(p['evictions_per_engine'].values())}, tenants computed on 1/2/3 engines "
+          f"{[p['tenants_computed_on_n_engines'].get(k, 0) for k in (1, 2, 3)]}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = run(args)
-    print("\n| strategy | prefix-cache hit rate | TTFT mean | TTFT p50 | TTFT p99 |\n|---|---|---|---|---|")
+    print("\n| strategy | runs x requests | prefix-cache hit rate | TTFT mean | TTFT p50 | TTFT p99 |\n"
+          "|---|---|---|---|---|---|")
     for s, r in out["results"].items():
-        print(f"| `{s}` | {r['hit_rate']:.1%} | {r['ttft_mean']:.2f} s | {r['ttft_p50']:.2f} s | {r['ttft_p99']:.2f} s |")
+        print(f"| `{s}` | {r['runs']} x {r['requests'] // r['runs']} | {r['hit_rate']:.1%} | {r['ttft_mean']:.2f} s | "
+              f"{r['ttft_p50']:.2f} s | {r['ttft_p99']:.2f} s |")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **out}, indent=2))
     return 0

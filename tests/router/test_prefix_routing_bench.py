@@ -68,6 +68,14 @@ def test_the_cli_refuses_an_unknown_strategy(capsys: pytest.CaptureFixture[str])
     assert "nope" in capsys.readouterr().err
 
 
+def test_repeated_runs_pool_into_one_sample() -> None:
+    runs = [{"ttfts": [1.0, 2.0, 9.0], "hit_tokens": 30, "query_tokens": 100},
+            {"ttfts": [3.0, 4.0, 5.0], "hit_tokens": 70, "query_tokens": 100}]
+    p = prefix_routing.pooled(runs)
+    assert p["hit_rate"] == 0.5 and p["requests"] == 6 and p["runs"] == 2
+    assert p["ttft_p50"] == 3.5 and p["ttft_p99"] == 9.0 and p["ttft_mean"] == 4.0
+
+
 @pytest.mark.slow   # 2 engines + a router start: ~4 min at load 13 on 2 cores (each process imports torch)
 def test_quick_run_measures_hits_and_ttft_through_the_router(smollm2_dir: Path) -> None:
     out = prefix_routing.run(prefix_routing.parse_args(["--quick"]))
