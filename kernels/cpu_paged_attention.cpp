@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_vector_math.h"
+
 namespace {
 
 inline float load(float x) { return x; }
@@ -42,44 +44,6 @@ inline float load(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>
 inline void store(T* dst, float v) { *dst = static_cast<T>(v); }
-
-// exp(x) for x <= 0 (softmax scores after subtracting the row's max), written so that a simd loop
-// vectorizes it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2 in two parts,
-// exp(r) by a degree-6 minimax polynomial, times 2^n built in the exponent bits. Relative error
-// below 2e-7 (a few float ulps); x below -87 gives ~1e-38 instead of 0, nothing next to the max's 1.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
-
-// max(x[0..n)), n >= 1: sixteen running maxima side by side, which vectorizes without reassociating
-// a reduction (a plain max reduction loop stays scalar without -ffast-math).
-inline float row_max(const float* x, int64_t n) {
-  float lanes[16];
-  std::fill(lanes, lanes + 16, x[0]);
-  int64_t t = 0;
-  for (; t + 16 <= n; t += 16) {
-#pragma omp simd
-    for (int j = 0; j < 16; ++j) lanes[j] = lanes[j] < x[t + j] ? x[t + j] : lanes[j];
-  }
-  float m = x[0];
-  for (int j = 0; j < 16; ++j) m = std::max(m, lanes[j]);
-  for (; t < n; ++t) m = std::max(m, x[t]);
-  return m;
-}
 
 // One block's rows of one kv head as float32, token-major: out[i * dim + d].
 template <typename T>
@@ -199,11 +163,11 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
       }
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * stride;
-        const float m = row_max(sg, len);
+        const float m = pagedmodel_cpu::row_max(sg, len);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) {
-          sg[t] = exp_nonpositive(sg[t] - m);
+          sg[t] = pagedmodel_cpu::exp_nonpositive(sg[t] - m);
           total += sg[t];
         }
         sums[g] = total;

@@ -1,12 +1,16 @@
-"""The CPU attention op for short query rows (decode, small chunks), built on first use.
+"""The CPU ops, built on first use: the attention op for short query rows (decode, small chunks), and
+the per-row argmax + log-sum-exp a sampling step needs.
 
 ``cpu_paged_attention.cpp`` reads each row's own K/V blocks in place from the paged cache (no
-gather, no padding to the batch's longest context, no float32 copy of the cache). It is compiled
-with ``torch.utils.cpp_extension`` the first time a process needs it (tens of seconds, once per
-machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``,
-keyed by the source, flags, torch version and CPU flags, since ``-march=native`` code must not run
-on another CPU). Without a C++ compiler, or with ``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``
-returns None and the pure-torch path (``torch_attention``) does the same work with torch ops.
+gather, no padding to the batch's longest context, no float32 copy of the cache).
+``cpu_logits_stats.cpp`` gives each logits row's argmax and log-sum-exp in two passes (the sampler's
+greedy tokens and chosen-token logprobs without a full log_softmax). Both are compiled into one
+extension with ``torch.utils.cpp_extension`` the first time a process needs it (tens of seconds,
+once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``, keyed by the sources, flags, torch version and CPU flags, since
+``-march=native`` code must not run on another CPU). Without a C++ compiler, or with
+``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()`` and ``logits_stats()`` return None and torch ops do
+the same work (``torch_attention``, the sampler's fallback).
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ log = logging.getLogger("pagedmodel.kernels.cpu_op")
 
 OP_ENV = "PAGEDMODEL_CPU_ATTENTION_OP"
 OP_ENV_VALUES = ("auto", "off")
-SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp")
+HEADERS = (HERE / "cpu_vector_math.h",)
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
 
@@ -41,7 +47,8 @@ def _cpu_description() -> str:
 def build_name() -> str:
     """The extension's name: a digest of everything that changes the binary."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_description().encode()):
+    parts = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+    for part in (*parts, " ".join(CFLAGS).encode(), torch.__version__.encode(), _cpu_description().encode()):
         digest.update(part)
         digest.update(b"\0")
     return f"pagedmodel_cpu_attention_{digest.hexdigest()[:16]}"
@@ -64,6 +71,11 @@ def load() -> Callable[..., torch.Tensor] | None:
         return _state["op"]  # type: ignore[return-value]
 
 
+def logits_stats() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """``torch.ops.pagedmodel.logits_argmax_logsumexp`` (built with the attention op); None if unavailable."""
+    return None if load() is None else torch.ops.pagedmodel.logits_argmax_logsumexp
+
+
 def load_error() -> str | None:
     """Why ``load()`` returned None (None if it has not failed)."""
     return _state.get("error")  # type: ignore[return-value]
@@ -80,8 +92,8 @@ def _build() -> Callable[..., torch.Tensor] | None:
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=build_name(), sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(name=build_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                           extra_include_paths=[str(HERE)], is_python_module=False, verbose=False)
         return torch.ops.pagedmodel.paged_rows_attention
     except Exception as exc:   # an optimisation: without it the pure-torch path serves
         _state["error"] = f"{type(exc).__name__}: {str(exc).strip()[:500]}"

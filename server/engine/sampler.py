@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pagedmodel.kernels import cpu_paged_attention
+
 from .beam_group import BeamDecision, BeamGroup
 from .penalties import apply_penalties, needs_penalties
 from .random_sampling import draw
@@ -65,13 +67,30 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     return constrained
 
 
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first argmax and log-sum-exp: the C++ op on CPU (two passes over a row, where
+    log_softmax + argmax would write out and re-read the whole matrix), torch ops elsewhere."""
+    op = cpu_paged_attention.logits_stats() if logits.device.type == "cpu" else None
+    if op is not None:
+        return op(logits)
+    best, tokens = logits.max(dim=-1)
+    finite = torch.where(torch.isfinite(best), best, torch.zeros_like(best))   # a row of -inf stays -inf, not NaN
+    return tokens, finite + (logits - finite[:, None]).exp_().sum(dim=-1).log_()
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     """``logits`` is ``[len(rows), vocab]`` float32 and is modified (grammar masks; penalties work on a
-    copy). Each stage is batched over the rows that need it: one penalty pass, one argmax for the greedy
-    rows, one truncation and draw for the random ones (``random_sampling.py``), one gather for the
-    chosen logprobs and one top-k for the rows that asked for top logprobs."""
-    logprobs = torch.log_softmax(logits, dim=-1)
+    copy). Each stage is batched over the rows that need it: one argmax + log-sum-exp pass over the raw
+    logits (the greedy tokens of plain rows and every row's logprob normaliser), one penalty pass, one
+    argmax for the greedy rows that masks or penalties changed, one truncation and draw for the random
+    ones (``random_sampling.py``), one gather for the chosen logprobs and one top-k for the rows that
+    asked for top logprobs."""
+    raw_argmax, logsumexp = argmax_logsumexp(logits)
+    tops = _top_logprobs(logits, logsumexp, rows)           # before the grammar masks change logits
+    grammar_rows = [i for i, row in enumerate(rows) if row.matcher is not None]
+    raw_masked = logits[grammar_rows].clone() if grammar_rows else None   # their logprobs stay the raw model's
     constrained = _apply_grammars(logits, rows)
+    raw = logits
     penalised = [i for i, row in enumerate(rows) if needs_penalties(row)]
     if penalised:
         index = torch.tensor(penalised, dtype=torch.long, device=logits.device)
@@ -79,9 +98,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         logits = logits.index_put((index,), penalties)
     tokens: list[int] = [0] * len(rows)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy or row.params.use_beam_search]
-    if greedy:
-        picked = logits[greedy].argmax(dim=-1) if len(greedy) < len(rows) else logits.argmax(dim=-1)
-        for i, token in zip(greedy, picked.tolist()):
+    changed = set(constrained) | set(penalised)
+    plain = [i for i in greedy if i not in changed]
+    if plain:
+        for i, token in zip(plain, raw_argmax[plain].tolist() if len(plain) < len(rows) else raw_argmax.tolist()):
+            tokens[i] = token
+    if len(plain) < len(greedy):
+        rest = [i for i in greedy if i in changed]
+        for i, token in zip(rest, logits[rest].argmax(dim=-1).tolist()):
             tokens[i] = token
     drawn = [i for i, row in enumerate(rows) if not (row.params.greedy or row.params.use_beam_search)]
     if drawn:
@@ -94,33 +118,42 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         if not rows[i].matcher.accept_token(tokens[i]):   # only if every token was masked: nothing can follow
             log.warning("grammar rejected token %d; the sample continues unconstrained", tokens[i])
             rows[i].matcher = None
-    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-    chosen = logprobs.gather(1, index[:, None])[:, 0].tolist() if rows else []
-    tops = _top_logprobs(logprobs, rows, tokens, chosen)
-    return [SampleResult(tokens[i], chosen[i], top) for i, top in enumerate(tops)]
+    if not rows:
+        return []
+    index = torch.tensor(tokens, dtype=torch.long, device=raw.device)
+    chosen_logits = raw.gather(1, index[:, None])[:, 0]
+    if raw_masked is not None:
+        chosen_logits[grammar_rows] = raw_masked.gather(1, index[grammar_rows][:, None])[:, 0]
+    chosen = (chosen_logits - logsumexp).tolist()
+    return [SampleResult(tokens[i], chosen[i], _with_chosen(top, tokens[i], chosen[i]))
+            for i, top in enumerate(tops)]
 
 
-def _top_logprobs(logprobs: torch.Tensor, rows: list[SamplingRow], tokens: list[int],
-                  chosen: list[float]) -> list[dict[int, float] | None]:
-    """Per row: None, or the chosen token's logprob plus the row's top ``logprobs`` (one top-k for all)."""
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs]
-    top = None
-    if wanted:
-        k = max(rows[i].params.logprobs for i in wanted)
-        top = torch.topk(logprobs[wanted], k, dim=-1)
-        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
-    out: list[dict[int, float] | None] = []
-    slot = {i: j for j, i in enumerate(wanted)}
-    for i, row in enumerate(rows):
-        if row.params.logprobs is None:
-            out.append(None)
-            continue
-        entry = {tokens[i]: chosen[i]}
-        if i in slot:
-            k = row.params.logprobs
-            entry.update(zip(top_ids[slot[i]][:k], top_vals[slot[i]][:k]))
-        out.append(entry)
+def _top_logprobs(logits: torch.Tensor, logsumexp: torch.Tensor,
+                  rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+    """Per row: None, or the row's top ``logprobs`` tokens of the raw distribution (one top-k for all)."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    out: list[dict[int, float] | None] = [None] * len(rows)
+    k = max((rows[i].params.logprobs for i in wanted), default=0)
+    if k:
+        top = torch.topk(logits[wanted], k, dim=-1)
+        values = (top.values - logsumexp[wanted][:, None]).tolist()
+        for j, (i, ids) in enumerate(zip(wanted, top.indices.tolist())):
+            n = rows[i].params.logprobs
+            out[i] = dict(zip(ids[:n], values[j][:n]))
+    for i in wanted:
+        if out[i] is None:
+            out[i] = {}
     return out
+
+
+def _with_chosen(top: dict[int, float] | None, token: int, logprob: float) -> dict[int, float] | None:
+    """The chosen token first, then the top-k (vLLM's order for a sampled token's logprobs entry)."""
+    if top is None:
+        return None
+    entry = {token: logprob}
+    entry.update((t, v) for t, v in top.items() if t != token)
+    return entry
 
 
 PromptLogprobs = list[dict[int, float]]   # one {token: logprob, top-k...} per scored prompt token
@@ -182,8 +215,11 @@ class Sampler:
                 owners.append(seq.seq_id)
                 row_logits.append(i)
         if rows:
-            index = torch.tensor(row_logits, dtype=torch.long, device=out.logits.device)
-            for seq_id, sampled in zip(owners, sample(out.logits.index_select(0, index), rows)):
+            if row_logits == list(range(out.logits.shape[0])):   # one row per sequence, the usual step
+                logits = out.logits   # sample() may mask it in place: nothing reads it after this
+            else:
+                logits = out.logits.index_select(0, torch.tensor(row_logits, dtype=torch.long, device=out.logits.device))
+            for seq_id, sampled in zip(owners, sample(logits, rows)):
                 result.samples.setdefault(seq_id, []).append(sampled)
         for seq_id, (s, logprobs) in out.prompt_logprobs.items():
             entries = _prompt_entries(s.seq.token_ids, s.start, logprobs, s.group.params.prompt_logprobs)

@@ -1,0 +1,57 @@
+// Scalar helpers written so that the loops calling them vectorize (shared by the CPU ops).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedmodel_cpu {
+
+// exp(x) for x <= 0 (softmax terms after subtracting the row's max), written so that a simd loop
+// vectorizes it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2 in two parts,
+// exp(r) by a degree-6 minimax polynomial, times 2^n built in the exponent bits. Relative error
+// below 2e-7 (a few float ulps); x below -87 gives ~1e-38 instead of 0, nothing next to the max's 1.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// max(x[0..n)), n >= 1: sixteen running maxima side by side, which vectorizes without reassociating
+// a reduction (a plain max reduction loop stays scalar without -ffast-math).
+inline float row_max(const float* x, int64_t n) {
+  float lanes[16];
+  std::fill(lanes, lanes + 16, x[0]);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) lanes[j] = lanes[j] < x[t + j] ? x[t + j] : lanes[j];
+  }
+  float m = x[0];
+  for (int j = 0; j < 16; ++j) m = std::max(m, lanes[j]);
+  for (; t < n; ++t) m = std::max(m, x[t]);
+  return m;
+}
+
+// sum(exp(x[t] - m)) for t < n, m >= every x[t].
+inline float sum_exp_below(const float* x, int64_t n, float m) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t t = 0; t < n; ++t) total += exp_nonpositive(x[t] - m);
+  return total;
+}
+
+}  // namespace pagedmodel_cpu
