@@ -30,7 +30,7 @@ log = logging.getLogger("pagedmodel.kernels.cpu_op")
 OP_ENV = "PAGEDMODEL_CPU_ATTENTION_OP"
 OP_ENV_VALUES = ("auto", "off")
 HERE = Path(__file__).parent
-SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp")
+SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp", HERE / "cpu_layer_ops.cpp")
 HEADERS = (HERE / "cpu_vector_math.h",)
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
@@ -74,6 +74,12 @@ def load() -> Callable[..., torch.Tensor] | None:
 def logits_stats() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """``torch.ops.pagedmodel.logits_argmax_logsumexp`` (built with the attention op); None if unavailable."""
     return None if load() is None else torch.ops.pagedmodel.logits_argmax_logsumexp
+
+
+def layer_ops() -> object | None:
+    """``torch.ops.pagedmodel``, holding ``fused_add_rms_norm``, ``silu_and_mul`` and ``rotary_embedding``
+    (``cpu_layer_ops.cpp``), built with the attention op; None if unavailable."""
+    return None if load() is None else torch.ops.pagedmodel
 
 
 def load_error() -> str | None:

@@ -10,11 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedmodel.kernels import cpu_linear
+from pagedmodel.kernels import cpu_linear, cpu_paged_attention
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import AttentionBackend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def cpu_layer_ops(x: torch.Tensor):
+    """The fused C++ layer ops (``kernels/cpu_layer_ops.cpp``) where they apply to ``x``, else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_paged_attention.layer_ops()
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +35,16 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; on CPU in one pass, overwriting both inputs."""
+        ops = cpu_layer_ops(x)
+        if ops is not None and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() \
+                and self.weight.dtype == x.dtype == residual.dtype:
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
 
 
 def rope_parameters(config) -> dict:
@@ -65,6 +82,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = cpu_layer_ops(q)
+        if ops is not None and self.cos.dtype == torch.float32 and self.cos.is_contiguous():
+            ops.rotary_embedding(q, self.cos, self.sin, positions)   # in place, in one pass each
+            ops.rotary_embedding(k, self.cos, self.sin, positions)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -112,7 +134,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = cpu_layer_ops(gate_up)
+        if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -124,9 +150,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv_cache, meta, backend):
+        """``x`` is the previous layer's output before its residual add, ``residual`` the running sum
+        (None at the first layer): each add is fused with the norm that follows it."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -147,9 +180,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv_cache, meta, backend)
+        if residual is None:   # no layers
+            return self.norm(x)
+        return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is not None:
