@@ -18,7 +18,7 @@ bf16_packs = pytest.mark.skipif(not cpu_linear.applies(torch.zeros(2, 2, dtype=t
 
 
 @needs_mkldnn
-@pytest.mark.parametrize("rows", [0, 1, FP32_MIN - 1, FP32_MIN, 64])
+@pytest.mark.parametrize("rows", [0, 1, FP32_MIN - 1, FP32_MIN, 9, 64, 65, 100, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
@@ -42,8 +42,16 @@ def test_packed_path_is_taken_from_min_rows(monkeypatch):
     assert calls == [1]
 
 
+def test_row_buckets_are_few_and_waste_little():
+    buckets = {cpu_linear.padded_rows(m) for m in range(1, 4097)}
+    assert len(buckets) <= 80   # oneDNN keeps a primitive (~1 MB) per distinct shape
+    for m in range(1, 4097):
+        p = cpu_linear.padded_rows(m)
+        assert p >= m and (p == m if m <= 8 else p - m < 8 if m <= 64 else p <= 1.125 * m)
+
+
 @bf16_packs
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 5, 64, 77])
 def test_bf16_packed_matches_f_linear_from_one_row(rows, monkeypatch):
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
