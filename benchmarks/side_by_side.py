@@ -44,6 +44,9 @@ WORDS = ("serving memory block cache token batch request latency kernel schedule
          "when where which city river history science music language number example because").split()
 
 
+KV_CACHE_BYTES = 2 << 30   # both engines get the same KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE is in GiB)
+
+
 @dataclass
 class Req:
     prompt_ids: list[int]
@@ -85,7 +88,7 @@ def run_ours(model_dir: str, reqs: list[Req], args, prefix_caching: bool) -> dic
     from pagedmodel import LLM, SamplingParams
 
     llm = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048,
-              enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager)
+              enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager, kv_cache_memory=KV_CACHE_BYTES)
     llm.generate([r.prompt_ids for r in reqs[:2]], SamplingParams(temperature=0, max_tokens=4))   # warm-up
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos) for r in reqs]
     start = time.perf_counter()
@@ -189,7 +192,7 @@ def run_vllm(venv: str, model_dir: str, reqs: list[Req], args, name: str) -> dic
 
 
 def vllm_env(args) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
+    return {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_BYTES >> 30), "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}",
             "OMP_NUM_THREADS": str(args.threads), "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
@@ -246,7 +249,8 @@ def run_serving(model_dir: str, reqs: list[Req], tokenizer, args) -> dict:
     out = {}
     print("  serving: pagedmodel serve", flush=True)
     ours = [sys.executable, "-m", "pagedmodel.cli", "serve", "--model", model_dir, "--port", "8911",
-            "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048"]
+            "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
+            "--kv-cache-memory", str(KV_CACHE_BYTES)]
     out["ours"] = serve_and_bench(ours, {**os.environ, **threads}, 8911, dataset, args, dataset.with_name("ours.log"))
     if args.vllm_venv:
         print("  serving: vllm serve", flush=True)
