@@ -23,13 +23,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using pagedmodel_cpu::to_float;
 // float -> T -> float: the value a torch op in dtype T would have stored
 inline float round_to(float x, float*) { return x; }
 inline float round_to(float x, c10::BFloat16*) { return to_float(c10::BFloat16(x)); }

@@ -32,15 +32,7 @@
 
 namespace {
 
-inline float load(float x) { return x; }
-inline float load(c10::BFloat16 x) {
-  // bf16 is the top half of a float32: a shift, which the compiler vectorizes
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float load(c10::Half x) { return static_cast<float>(x); }
+using pagedmodel_cpu::to_float;
 
 template <typename T>
 inline void store(T* dst, float v) { *dst = static_cast<T>(v); }
@@ -52,7 +44,7 @@ inline void block_to_float(const T* base, int64_t n, int64_t token_stride, int64
     const T* src = base + i * token_stride;
     float* dst = out + i * dim;
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) dst[d] = load(src[d]);
+    for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]);
   }
 }
 
@@ -146,7 +138,7 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
       for (int64_t g = 0; g < group; ++g) {
         const T* src = query + (r * q_heads + h * group + g) * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = load(src[d]) * scale;
+        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = to_float(src[d]) * scale;
       }
       // keys: scores[g][t] = q_g . k_t, walking the row's own blocks in order
       auto block_base = [&](int64_t t0, int64_t offset) {

@@ -1,12 +1,25 @@
 // Scalar helpers written so that the loops calling them vectorize (shared by the CPU ops).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace pagedmodel_cpu {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  // bf16 is the top half of a float32: a shift, which the compiler vectorizes
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 // exp(x) for x <= 0 (softmax terms after subtracting the row's max), written so that a simd loop
 // vectorizes it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2 in two parts,

@@ -18,3 +18,18 @@ for _name in ("triton_launch", "triton_cache_write", "triton_block_copy", "trito
     _module = sys.modules.get(f"pagedmodel.kernels.{_name}")
     if _module is not None:
         importlib.reload(_module)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["auto", "off"])
+def op_mode(request, monkeypatch):
+    """Runs a test twice: with the CPU ops extension (built on first use; a failed build fails the
+    test rather than skipping it) and with PAGEDMODEL_CPU_ATTENTION_OP=off (the torch-ops fallbacks)."""
+    from pagedmodel.kernels import cpu_paged_attention
+
+    monkeypatch.setenv(cpu_paged_attention.OP_ENV, request.param)
+    if request.param == "auto" and cpu_paged_attention.load() is None:
+        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+    return request.param

@@ -5,16 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedmodel.kernels import cpu_paged_attention
 from pagedmodel.server.engine.sampler import argmax_logsumexp
-
-
-@pytest.fixture(params=["auto", "off"])
-def op_mode(request, monkeypatch):
-    monkeypatch.setenv(cpu_paged_attention.OP_ENV, request.param)
-    if request.param == "auto" and cpu_paged_attention.logits_stats() is None:
-        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
-    return request.param
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 16, 17, 1000, 49152])

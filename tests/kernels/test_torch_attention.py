@@ -21,14 +21,6 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 **
        torch.float16: dict(rtol=2 ** -9, atol=2 ** -9)}
 
 
-@pytest.fixture(params=["auto", "off"])
-def op_mode(request, monkeypatch):
-    monkeypatch.setenv(cpu_paged_attention.OP_ENV, request.param)
-    if request.param == "auto" and cpu_paged_attention.load() is None:
-        pytest.fail(f"the CPU op did not build: {cpu_paged_attention.load_error()}")
-    return request.param
-
-
 def _check(query_lens, seq_lens, dtype=torch.float32, **kw):
     batch = make_batch(query_lens, seq_lens, dtype=dtype, **kw)
     scale = batch.query.shape[-1] ** -0.5
