@@ -1,16 +1,17 @@
-"""The CPU ops, built on first use: the attention op for short query rows (decode, small chunks), and
-the per-row argmax + log-sum-exp a sampling step needs.
+"""The CPU ops, built on first use: the attention op for short query rows (decode, small chunks), the
+per-row argmax + log-sum-exp a sampling step needs, and a decoder layer's fused elementwise ops.
 
 ``cpu_paged_attention.cpp`` reads each row's own K/V blocks in place from the paged cache (no
 gather, no padding to the batch's longest context, no float32 copy of the cache).
 ``cpu_logits_stats.cpp`` gives each logits row's argmax and log-sum-exp in two passes (the sampler's
-greedy tokens and chosen-token logprobs without a full log_softmax). Both are compiled into one
+greedy tokens and chosen-token logprobs without a full log_softmax). ``cpu_layer_ops.cpp`` fuses the
+residual add with RMSNorm, SiLU(gate) x up, and rotary embedding. All three are compiled into one
 extension with ``torch.utils.cpp_extension`` the first time a process needs it (tens of seconds,
 once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, keyed by the sources, flags, torch version and CPU flags, since
 ``-march=native`` code must not run on another CPU). Without a C++ compiler, or with
-``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()`` and ``logits_stats()`` return None and torch ops do
-the same work (``torch_attention``, the sampler's fallback).
+``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``, ``logits_stats()`` and ``layer_ops()`` return None and
+torch ops do the same work (``torch_attention``, the sampler's fallback, the model's torch path).
 """
 from __future__ import annotations
 
