@@ -141,6 +141,9 @@ ROUTER_QUEUE_LENGTH = _router("pagedmodel_router_queue_length", "gauge", "Reques
 ROUTER_RATE_LIMITED = _router("pagedmodel_router_rate_limited", "counter", "Requests refused with 429.", ("scope",))
 ROUTER_UPSTREAM_INFLIGHT = _router("pagedmodel_router_upstream_inflight", "gauge",
                                    "Requests open to each upstream.", ("upstream",))
+ROUTER_UPSTREAM_PENDING_PREFILL = _router("pagedmodel_router_upstream_pending_prefill_tokens", "gauge",
+                                          "Uncached prompt tokens of requests sent to each upstream that have not yet "
+                                          "returned a token (prefix-cache strategy).", ("upstream",))
 ROUTER_UPSTREAM_LATENCY = _router("pagedmodel_router_upstream_latency_seconds", "histogram",
                                   "Time from sending a request upstream to its last response byte.", ("upstream",),
                                   ROUTER_LATENCY_BUCKETS)

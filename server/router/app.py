@@ -272,9 +272,11 @@ class RouterApp:
         for up in self.pool.upstreams.values():
             self.metrics.inflight.labels(up.url).set(up.inflight)
             self.metrics.healthy.labels(up.url).set(0 if up.ejected else 1)
+            if self.prefix_cache is not None:
+                self.metrics.pending_prefill.labels(up.url).set(self.prefix_cache.pending_prefill[up.url])
         # Replicas discovery removed must not linger as stale series (pod IPs churn).
         for url in self._gauged - set(self.pool.upstreams):
-            for metric in (self.metrics.inflight, self.metrics.healthy, self.metrics.latency):
+            for metric in (self.metrics.inflight, self.metrics.healthy, self.metrics.latency, self.metrics.pending_prefill):
                 try:
                     metric.remove(url)
                 except KeyError:
@@ -369,6 +371,7 @@ class RouterApp:
             await self.queue.wait(ticket)
         except asyncio.CancelledError:
             if pending.upstream is not None:   # granted in the same instant the client left
+                self._prefilled(chains)
                 self._release(pending.upstream)
             raise
         finally:
@@ -376,6 +379,10 @@ class RouterApp:
             self.metrics.queue_time.observe(max(0.0, self.clock() - ticket.enqueued_at))
         assert pending.upstream is not None
         return pending.upstream
+
+    def _prefilled(self, chains: PromptChains | None) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.prefilled(chains)
 
     def _release(self, up: Upstream) -> None:
         self.pool.release(up)
@@ -482,6 +489,7 @@ class RouterApp:
                 logger.warning("upstream %s failed before responding (%s); retrying elsewhere", up.url, exc)
                 if self.pool.record_failure(up):
                     self.metrics.healthy.labels(up.url).set(0)
+                self._prefilled(chains)
                 self._release(up)
                 unserved = None
                 if attempt + 1 < self.cfg.max_attempts:
@@ -492,13 +500,14 @@ class RouterApp:
                 # takes it; relaying this 503 would lose a request during every scale-down or rollout.
                 upstream_resp.release()
                 self.pool.record_unserved(up, reason)
+                self._prefilled(chains)
                 self._release(up)
                 unserved = reason
                 if attempt + 1 < self.cfg.max_attempts:
                     self.metrics.retries.inc()
                 continue
             try:
-                relayed = await self._relay(request, upstream_resp, up, adm)
+                relayed = await self._relay(request, upstream_resp, up, adm, chains)
             except BaseException:
                 upstream_resp.close()   # client gone or relay broken: drop the upstream connection (aborts it)
                 raise
@@ -507,6 +516,7 @@ class RouterApp:
                 return self._count(relayed)
             finally:
                 self.metrics.latency.labels(up.url).observe(max(0.0, self.clock() - started))
+                self._prefilled(chains)
                 self._release(up)
         if unserved is not None:
             return self._count(_error(503, f"no replica could take the request after {self.cfg.max_attempts} "
@@ -538,8 +548,9 @@ class RouterApp:
             up.on_eject.discard(on_eject)
 
     async def _relay(self, request: web.Request, upstream_resp: aiohttp.ClientResponse,
-                     up: Upstream, adm: Admission | None) -> web.StreamResponse:
-        """Copy status and headers, then each chunk as it arrives (never the whole body at once)."""
+                     up: Upstream, adm: Admission | None, chains: PromptChains | None = None) -> web.StreamResponse:
+        """Copy status and headers, then each chunk as it arrives (never the whole body at once). The first
+        chunk with generated text (any chunk of a non-streamed body) ends the request's pending prefill."""
         # Only gateway-type answers count against the replica: a 500 may be one poisoned request (three
         # of them must not eject every healthy engine) and a 503 is back-pressure from a live engine.
         if upstream_resp.status in (502, 504):
@@ -568,6 +579,8 @@ class RouterApp:
                 if not chunk:
                     break
                 meter.feed(chunk)
+                if meter.text_events or not is_sse:
+                    self._prefilled(chains)
                 await resp.write(chunk)
             meter.finish()
             await resp.write_eof()

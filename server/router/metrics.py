@@ -36,6 +36,7 @@ class RouterMetrics:
         self.queue_length = mc.register(mc.ROUTER_QUEUE_LENGTH, r)
         self.rate_limited = mc.register(mc.ROUTER_RATE_LIMITED, r)
         self.inflight = mc.register(mc.ROUTER_UPSTREAM_INFLIGHT, r)
+        self.pending_prefill = mc.register(mc.ROUTER_UPSTREAM_PENDING_PREFILL, r)
         self.latency = mc.register(mc.ROUTER_UPSTREAM_LATENCY, r)
         self.queue_time = mc.register(mc.ROUTER_QUEUE_TIME, r)
         self.healthy = mc.register(mc.ROUTER_UPSTREAM_HEALTHY, r)

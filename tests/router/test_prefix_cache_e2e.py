@@ -134,3 +134,10 @@ def test_repeated_prompt_follows_the_engine_that_really_holds_it(cluster):
     post(engines[first].url, CHAT)
     time.sleep(2)   # the router's subscription reconnects (every 0.5 s) and gets the new instance's snapshot
     assert served_by(engines, router_url) == first
+    # A streamed request too; then every answered request's pending prefill has been let go.
+    with httpx.stream("POST", router_url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 4},
+                      headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200 and "[DONE]" in r.read().decode()
+    pending = re.findall(r"^pagedmodel_router_upstream_pending_prefill_tokens\{[^}]*\} (\S+)$",
+                         httpx.get(router_url + "/metrics", timeout=10).text, re.M)
+    assert len(pending) == 2 and all(float(v) == 0 for v in pending), pending

@@ -176,6 +176,56 @@ def test_a_real_hit_elsewhere_moves_the_prompt_a_token_of_boilerplate_does_not()
         assert pick_prefix_cache(ups, prompt=p).url == home
 
 
+def test_a_prompt_held_nowhere_goes_where_it_delays_the_fewest_others():
+    # A cold prompt is a full prefill: sent home regardless, it queued the hottest tenant's cache hits
+    # behind it (2026-12-02 benchmark, run 6). It goes where the least prefill is pending, then where the
+    # fewest recent requests went; only then does its rendezvous order decide.
+    urls = ["http://a", "http://b", "http://c"]
+    for t in range(16):
+        p = f"system:tenant {t} rules"
+        home, second = home_and_second(urls, p)
+        third = next(u for u in urls if u not in (home, second))
+        ups = [view(home, pending_prefill=1500), view(second, pending_prefill=40, recent_picks=1),
+               view(third, recent_picks=20)]
+        assert pick_prefix_cache(ups, prompt=p).url == third              # nothing pending there
+        ups = [view(home, recent_picks=20), view(second, recent_picks=6), view(third, recent_picks=5)]
+        assert pick_prefix_cache(ups, prompt=p).url == third              # then the least recent traffic
+        ups = [view(home, recent_picks=5), view(second, recent_picks=5), view(third, recent_picks=9)]
+        assert pick_prefix_cache(ups, prompt=p).url == home               # then its own order
+        # held somewhere (here past the cap): a spill, which keeps the stable second home
+        ups = [view(home, inflight=3, cached=96), view(second, inflight=1, recent_picks=20, pending_prefill=900),
+               view(third)]
+        assert pick_prefix_cache(ups, prompt=p).url == second
+        # held at home: a hit, whatever is pending there
+        ups = [view(home, cached=96, pending_prefill=1500, recent_picks=30), view(second), view(third)]
+        assert pick_prefix_cache(ups, prompt=p).url == home
+
+
+def test_routing_counts_pending_prefill_until_the_first_token_and_recent_picks_in_a_window():
+    from pagedmodel.server.router.prefix_cache import RECENT_PICKS, PrefixCacheRouting
+
+    routing = PrefixCacheRouting(None)
+    routing.index.get("http://a").apply(engine_log(TOKENS, 4).snapshot())    # a holds all ten blocks
+    cold, warm = PromptChains([7] * 41), PromptChains(TOKENS)
+    routing.routed("http://b", cold)
+    routing.routed("http://a", warm)
+    views = routing.annotate([view("http://a"), view("http://b")], warm)
+    assert [(v.pending_prefill, v.recent_picks, v.cached_tokens) for v in views] == [(1, 1, 40), (41, 1, 0)]
+    routing.routed("http://a", cold)          # a retry elsewhere moves the pending tokens with it
+    assert dict(routing.pending_prefill) == {"http://a": 42}
+    routing.prefilled(cold)
+    routing.prefilled(cold)                   # idempotent: a stream's every later chunk says it again
+    routing.prefilled(warm)
+    routing.prefilled(None)
+    assert dict(routing.pending_prefill) == {}
+    for i in range(RECENT_PICKS):
+        chains = PromptChains([i])
+        routing.routed("http://c", chains)
+        routing.prefilled(chains)
+    views = routing.annotate([view("http://a"), view("http://c")], warm)
+    assert [v.recent_picks for v in views] == [0, RECENT_PICKS]   # a's picks fell out of the window
+
+
 def test_a_prompts_home_survives_another_replica_leaving():
     urls = ["http://a", "http://b", "http://c", "http://d"]
     for t in range(32):
