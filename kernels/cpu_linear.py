@@ -12,6 +12,14 @@ prepacked oneDNN matmul handle per layer).
   layout is what AMX's tiles read, 1.3-1.8x faster than ``F.linear`` at 1-64 rows on every weight
   (a Sapphire-Rapids-class Xeon, one thread; the 49,152-wide head 16.4 -> 12.4 ms at one row, 21.6 ->
   12.5 ms at 64), so every step uses it.
+- bfloat16 on a CPU with AVX512-BF16 but no AMX: oneDNN's bf16 GEMM there is slower than its float32
+  one once a step has a few rows (an Emerald Rapids guest, one thread, 64 rows: 75 against 110-147
+  GFLOP/s). Each layer then also keeps a float32 packed copy of its weight, and steps of at least
+  ``FLOAT32_GEMM_MIN_ROWS`` rows cast their input to float32, multiply there and cast the output
+  back (the head keeps float32 logits, which the sampler wants anyway): 1.3-1.4x faster at 64 rows,
+  casts included; below 16 rows reading twice the weight bytes costs more than it saves, so small
+  steps keep the bf16 weight. The copies cost 4 bytes a parameter, so ``pack_linears`` makes them
+  only within ``FLOAT32_COPY_BUDGET`` (the model's linears, all together).
 
 oneDNN builds (and caches) a primitive for every input shape it meets, about a megabyte each with
 its scratchpad: serving, where the rows of a step take every value from 1 to max-num-batched-tokens,
@@ -21,7 +29,8 @@ steps of an eighth of the power of two below; at most 12.5 % extra rows past 64)
 shapes to about 70 per weight.
 
 The reorder needs a CPU tensor and torch built with mkldnn; anything else keeps the plain layers.
-``PAGEDMODEL_CPU_LINEAR=packed|off`` (default ``packed`` where it applies) turns it off.
+``PAGEDMODEL_CPU_LINEAR=packed|bf16|off`` (default ``packed`` where it applies): ``bf16`` packs without
+the float32 copies, ``off`` keeps the plain layers.
 """
 from __future__ import annotations
 
@@ -37,16 +46,32 @@ from . import cpu_features
 log = logging.getLogger("pagedmodel.kernels.cpu_linear")
 
 LINEAR_ENV = "PAGEDMODEL_CPU_LINEAR"
-LINEAR_ENV_VALUES = ("packed", "off")
+LINEAR_ENV_VALUES = ("packed", "bf16", "off")
 # below this many rows F.linear's unpacked GEMM is as fast or faster (measured at M = 1)
 MIN_ROWS = {torch.float32: 8, torch.bfloat16: 1}
+FLOAT32_GEMM_MIN_ROWS = 16          # bf16 weights without AMX: float32 GEMMs from this many rows
+FLOAT32_COPY_BUDGET = 4 << 30       # bytes of float32 weight copies a model may add
 
 
-def enabled(env: str | None = None) -> bool:
+def _choice(env: str | None = None) -> str:
     choice = (os.environ.get(LINEAR_ENV, "") if env is None else env).strip().lower() or "packed"
     if choice not in LINEAR_ENV_VALUES:
         raise ValueError(f"{LINEAR_ENV} must be one of {LINEAR_ENV_VALUES}, got {choice!r}")
-    return choice == "packed"
+    return choice
+
+
+def enabled(env: str | None = None) -> bool:
+    return _choice(env) != "off"
+
+
+def float32_gemms(weights: list[torch.Tensor], amx: bool | None = None) -> bool:
+    """Whether these bf16 weights should get float32 copies for large steps: no AMX here, the env does not
+    say ``bf16``, and the copies fit ``FLOAT32_COPY_BUDGET``."""
+    if _choice() != "packed" or not weights or any(w.dtype != torch.bfloat16 for w in weights):
+        return False
+    if cpu_features.has_amx_bf16() if amx is None else amx:
+        return False
+    return sum(w.numel() for w in weights) * 4 <= FLOAT32_COPY_BUDGET
 
 
 def applies(weight: torch.Tensor, native_bf16: bool | None = None) -> bool:
@@ -72,15 +97,22 @@ def padded_rows(rows: int) -> int:
 
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` through a oneDNN-packed copy of ``weight`` for steps of at least
-    ``MIN_ROWS[dtype]`` rows."""
+    ``MIN_ROWS[dtype]`` rows; with ``float32_gemm`` (bf16 weights), through a float32 packed copy for
+    steps of at least ``FLOAT32_GEMM_MIN_ROWS``. ``float_output``: such steps return float32 (the head)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, float32_gemm: bool = False,
+                 float_output: bool = False):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
+        reorder = torch.ops.mkldnn._reorder_linear_weight
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+            self.packed = reorder(self.weight.detach(), None)
+            use32 = float32_gemm and self.weight.dtype == torch.bfloat16
+            self.packed32 = reorder(self.weight.detach().float(), None) if use32 else None
+            self.bias32 = bias.detach().float() if use32 and bias is not None else None
         self.min_rows = MIN_ROWS[self.weight.dtype]
+        self.float_output = float_output
 
     @property
     def out_features(self) -> int:
@@ -88,25 +120,37 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else 0
-        if rows >= self.min_rows:
-            padded = padded_rows(rows)
-            if padded != rows:   # the extra rows' outputs are computed and dropped
-                x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+        if rows < self.min_rows:
+            return F.linear(x, self.weight, self.bias)
+        padded = padded_rows(rows)
+        wide = self.packed32 is not None and rows >= FLOAT32_GEMM_MIN_ROWS
+        if padded != rows:   # the extra rows' outputs are computed and dropped
+            buf = x.new_zeros(padded, x.shape[1], dtype=torch.float32 if wide else x.dtype)
+            buf[:rows] = x   # the cast, if any, in the same copy
+            x = buf
+        elif wide:
+            x = x.float()
+        if wide:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed32, self.bias32, "none", [], "")
+            if not self.float_output:
+                y = y.to(self.weight.dtype)
+        else:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return y if padded == rows else y[:rows]
-        return F.linear(x, self.weight, self.bias)
+        return y if padded == rows else y[:rows]
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, extra_weights: tuple[torch.Tensor, ...] = ()) -> int:
     """Replaces every CPU ``nn.Linear`` that ``applies`` in ``model`` by a ``PackedLinear`` sharing its parameters;
     returns how many were replaced (0 when turned off or not applicable)."""
     if not enabled():
         return 0
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear and applies(mod.weight)]
+    wide = float32_gemms([mod.weight for _, mod in targets] + list(extra_weights))
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(mod.weight, mod.bias))
+        setattr(parent, attr, PackedLinear(mod.weight, mod.bias, float32_gemm=wide))
     if targets:
-        log.info("%d linear layers use oneDNN-prepacked weights (%s=off turns it off)", len(targets), LINEAR_ENV)
+        log.info("%d linear layers use oneDNN-prepacked weights%s (%s=off turns it off)", len(targets),
+                 f", float32 GEMMs from {FLOAT32_GEMM_MIN_ROWS} rows" if wide else "", LINEAR_ENV)
     return len(targets)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedmodel.kernels import cpu_linear
+from pagedmodel.kernels import cpu_features, cpu_linear
 from pagedmodel.kernels.cpu_linear import PackedLinear, pack_linears
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
@@ -65,6 +65,47 @@ def test_bf16_packed_matches_f_linear_from_one_row(rows, monkeypatch):
     torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
 
 
+@bf16_packs
+@pytest.mark.parametrize("rows", [1, cpu_linear.FLOAT32_GEMM_MIN_ROWS - 1, cpu_linear.FLOAT32_GEMM_MIN_ROWS, 64, 77])
+@pytest.mark.parametrize("float_output", [False, True])
+def test_bf16_weights_multiply_in_float32_from_min_rows(rows, float_output, monkeypatch):
+    """Without AMX, large steps multiply a float32 copy of the bf16 weight: the product of the bf16
+    values, exact to float32 (the bias too), returned as bf16 or, for the head, float32."""
+    weights = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, w, *a: weights.append(x.dtype) or real(x, w, *a))
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    with torch.inference_mode():
+        got = PackedLinear(w, b, float32_gemm=True, float_output=float_output)(x)
+    wide = rows >= cpu_linear.FLOAT32_GEMM_MIN_ROWS
+    assert weights == [torch.float32 if wide else torch.bfloat16]
+    assert got.shape == (rows, 96) and got.dtype == (torch.float32 if wide and float_output else torch.bfloat16)
+    exact = F.linear(x.float(), w.float(), b.float())
+    if wide:
+        torch.testing.assert_close(got.float(), exact if float_output else exact.bfloat16().float(), rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
+
+
+def test_float32_copies_only_without_amx_within_budget_and_not_when_told_bf16(monkeypatch):
+    small = [torch.zeros(8, 8, dtype=torch.bfloat16)]
+    assert cpu_linear.float32_gemms(small, amx=False)
+    assert not cpu_linear.float32_gemms(small, amx=True)                     # AMX: bf16 is the fast GEMM
+    assert not cpu_linear.float32_gemms([torch.zeros(8, 8)], amx=False)      # float32 weights need none
+    assert not cpu_linear.float32_gemms([], amx=False)
+    monkeypatch.setattr(cpu_linear, "FLOAT32_COPY_BUDGET", 8 * 8 * 4 - 1)
+    assert not cpu_linear.float32_gemms(small, amx=False)                    # over the memory budget
+    monkeypatch.setattr(cpu_linear, "FLOAT32_COPY_BUDGET", 8 * 8 * 4)
+    assert cpu_linear.float32_gemms(small, amx=False)
+    monkeypatch.setenv(cpu_linear.LINEAR_ENV, "bf16")
+    assert not cpu_linear.float32_gemms(small, amx=False) and cpu_linear.enabled()
+    assert not cpu_features.has_amx_bf16(frozenset({"avx512_bf16"})) and cpu_features.has_amx_bf16(frozenset({"amx_bf16"}))
+
+
 def test_bf16_is_packed_only_with_native_bf16():
     w = torch.zeros(4, 4, dtype=torch.bfloat16)
     assert not cpu_linear.applies(w, native_bf16=False)
@@ -120,3 +161,19 @@ def test_engine_tokens_are_the_same_packed_or_not(tiny_llama_dir, monkeypatch):
         assert (model.logits_head is not None) is (mode == "packed")
         runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert runs["packed"] == runs["off"]
+
+
+@bf16_packs
+def test_a_bf16_engine_without_amx_packs_float32_copies_and_keeps_float32_logits(tiny_llama_dir, monkeypatch):
+    from pagedmodel import LLM, SamplingParams
+
+    monkeypatch.setattr(cpu_linear.cpu_features, "has_amx_bf16", lambda: False)
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="bfloat16", max_model_len=256)
+    model = llm.engine.runner.model
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 2 * 4 + 1 and all(m.packed32 is not None for m in packed)
+    assert model.logits_head.float_output
+    prompts = [[1] + [(5 * i + j) % 400 + 10 for j in range(3 + 9 * i)] for i in range(20)]   # 20 rows: float32 GEMMs
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert model.compute_logits(torch.zeros(20, model.config.hidden_size, dtype=torch.bfloat16)).dtype == torch.float32

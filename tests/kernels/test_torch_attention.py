@@ -65,6 +65,14 @@ def test_one_long_among_many_short(op_mode):
     _check([1] * 40, [5] * 39 + [300], block_size=16, q_heads=4, kv_heads=1, head_dim=32)
 
 
+@pytest.mark.parametrize("rows", [2, 48])
+def test_a_row_read_one_kv_head_at_a_time_or_all_at_once(op_mode, rows):
+    """The op takes a row's kv heads one per work item when rows are few (2) and all together when
+    they are many (48 rows, at most 12 threads): both must match the reference, GQA groups included."""
+    lens = [(37 * i) % 90 + 1 for i in range(rows)]
+    _check([1] * rows, lens, block_size=16, q_heads=9, kv_heads=3, head_dim=64, seed=rows)
+
+
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 40)), min_size=1, max_size=8), st.integers(0, 2**16))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_random_batches(op_mode, rows, seed):

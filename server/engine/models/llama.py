@@ -198,8 +198,13 @@ class LlamaForCausalLM(nn.Module):
         """On CPU (float32, or bfloat16 where the CPU has native bf16): every projection and the head
         through oneDNN-prepacked weights (``kernels/cpu_linear.py``); returns how many layers were
         packed (0: not applicable or off)."""
-        packed = cpu_linear.pack_linears(self)
-        if packed and self.lm_head is None and cpu_linear.applies(self.embed_tokens.weight):
-            self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight)
+        tied_head = self.lm_head is None and cpu_linear.applies(self.embed_tokens.weight)
+        packed = cpu_linear.pack_linears(self, extra_weights=(self.embed_tokens.weight,) if tied_head else ())
+        float32_gemm = any(m.packed32 is not None for m in self.modules() if isinstance(m, cpu_linear.PackedLinear))
+        if isinstance(self.lm_head, cpu_linear.PackedLinear):
+            self.lm_head.float_output = True   # float32 logits straight from a float32 GEMM
+        if packed and tied_head:
+            self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight, float32_gemm=float32_gemm,
+                                                       float_output=True)
             packed += 1
         return packed
