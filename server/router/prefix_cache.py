@@ -36,8 +36,7 @@ class PrefixCacheRouting:
         self._turn = 0
         self.pending_prefill: Counter[str] = Counter()                 # per upstream URL
         self._prefilling: dict[int, tuple[str, int]] = {}              # id(chains) -> (url, uncached tokens)
-        self._recent: deque[str] = deque(maxlen=RECENT_PICKS)
-        self._recent_count: Counter[str] = Counter()
+        self._recent: deque[str] = deque(maxlen=RECENT_PICKS)                # the latest picks' URLs
 
     def start(self, session: aiohttp.ClientSession, urls: Iterable[str]) -> None:
         self.subscriptions = KVSubscriptions(self.index, session, api_key=self.api_key)
@@ -70,9 +69,9 @@ class PrefixCacheRouting:
     def annotate(self, views: Sequence[UpstreamView], chains: PromptChains | None) -> list[UpstreamView]:
         if chains is None:
             return list(views)
-        n, now = len(chains.token_ids), self.clock()
+        n, now, recent = len(chains.token_ids), self.clock(), Counter(self._recent)
         return [dataclasses.replace(v, cached_tokens=self.index.cached_tokens(v.url, chains, now), prompt_tokens=n,
-                                    pending_prefill=self.pending_prefill[v.url], recent_picks=self._recent_count[v.url])
+                                    pending_prefill=self.pending_prefill[v.url], recent_picks=recent[v.url])
                 for v in views]
 
     def routed(self, url: str, chains: PromptChains | None) -> None:
@@ -85,13 +84,7 @@ class PrefixCacheRouting:
         uncached = max(0, len(chains.token_ids) - self.index.cached_tokens(url, chains, now))
         self._prefilling[id(chains)] = (url, uncached)
         self.pending_prefill[url] += uncached
-        if len(self._recent) == self._recent.maxlen:
-            oldest = self._recent[0]
-            self._recent_count[oldest] -= 1
-            if self._recent_count[oldest] == 0:
-                del self._recent_count[oldest]
         self._recent.append(url)
-        self._recent_count[url] += 1
         self.index.expect(url, chains, now)
 
     def prefilled(self, chains: PromptChains | None) -> None:

@@ -119,8 +119,12 @@ def test_strategy_spills_past_the_load_bound_and_refuses_nothing():
     assert pick_prefix_cache([]) is None
 
 
+def rendezvous_urls(urls: list[str], prompt: str) -> list[str]:
+    return [u.url for u in rendezvous_order([view(u) for u in urls], prompt)]
+
+
 def home_and_second(urls: list[str], prompt: str) -> tuple[str, str]:
-    order = [u.url for u in rendezvous_order([view(u) for u in urls], prompt)]
+    order = rendezvous_urls(urls, prompt)
     return order[0], order[1]
 
 
@@ -148,8 +152,7 @@ def test_a_spill_goes_to_the_prompts_stable_second_home_not_the_least_loaded():
     urls = ["http://a", "http://b", "http://c"]
     for t in range(16):
         p = f"system:tenant {t} rules"
-        home, second = home_and_second(urls, p)
-        third = next(u for u in urls if u not in (home, second))
+        home, second, third = rendezvous_urls(urls, p)
         # the home holds the prompt but is past the cap (3 in flight of 4: cap ceil(1.25 * 5 / 3) = 3);
         # the second home has one in flight, the third none: the spill still goes to the second home
         ups = [view(home, inflight=3, cached=96), view(second, inflight=1), view(third)]
@@ -163,8 +166,7 @@ def test_a_real_hit_elsewhere_moves_the_prompt_a_token_of_boilerplate_does_not()
     urls = ["http://a", "http://b", "http://c"]
     for t in range(16):
         p = f"system:tenant {t} rules"
-        home, second = home_and_second(urls, p)
-        third = next(u for u in urls if u not in (home, second))
+        home, second, third = rendezvous_urls(urls, p)
         ups = [view(home), view(second), view(third, cached=96)]
         assert pick_prefix_cache(ups, prompt=p).url == third              # the prefix is really there
         ups = [view(home), view(second, cached=96, kv_usage=0.2), view(third, cached=64)]
@@ -183,8 +185,7 @@ def test_a_prompt_held_nowhere_goes_where_it_delays_the_fewest_others():
     urls = ["http://a", "http://b", "http://c"]
     for t in range(16):
         p = f"system:tenant {t} rules"
-        home, second = home_and_second(urls, p)
-        third = next(u for u in urls if u not in (home, second))
+        home, second, third = rendezvous_urls(urls, p)
         ups = [view(home, pending_prefill=1500), view(second, pending_prefill=40, recent_picks=1),
                view(third, recent_picks=20)]
         assert pick_prefix_cache(ups, prompt=p).url == third              # nothing pending there
