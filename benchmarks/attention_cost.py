@@ -1,6 +1,7 @@
 """Decode attention cost: does one long sequence make the short ones pay for its length?
 
     python benchmarks/attention_cost.py [--threads 2] [--short 150] [--long 2000] [--batch 64] [--cache-gib 2]
+    python benchmarks/attention_cost.py --prefill [--threads 2] [--dtype bfloat16]
 
 One layer of SmolLM2-135M's attention (9 query heads, 3 KV heads, head dim 64, block size 16) over
 a decode batch of ``--batch`` sequences of ``--short`` tokens, then the same batch with one of them
@@ -10,6 +11,11 @@ the ratio long/short; the issue's bar is < 2x (the sum of contexts grows by
 ``(long - short) / (batch * short)``, 19 % with the defaults). A benchmark, not a test: compare the
 ratios of one run. ``--cache-gib`` scatters the batch's blocks over a cache of that size, as a
 serving engine's are: then the reads come from DRAM, not from the last-level cache.
+
+``--prefill`` times a long chunk's attention instead (whole prompts of 512 and 1,500 tokens, and a
+512-token chunk at the end of a 1,500-token context): ``torch_attention.prefill_attention`` (float32
+tiles of query rows, each over the keys it can see) against one SDPA call over the whole chunk with a
+bottom-right causal mask, which is what it replaced.
 """
 from __future__ import annotations
 
@@ -54,6 +60,33 @@ def implementations() -> dict:
     return impls
 
 
+def sdpa_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                 scale: float) -> torch.Tensor:
+    """The replaced path: one SDPA call, every score of the chunk materialised at once."""
+    q_len = query.shape[0]
+    k, v = reference_attention.gather_context(kv_cache, block_table, seq_len)
+    rows = torch.arange(q_len)[:, None] + (seq_len - q_len)
+    mask = torch.arange(seq_len)[None, :] <= rows
+    out = torch.nn.functional.scaled_dot_product_attention(query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def prefill_cost(args, shapes: dict) -> dict:
+    results = {}
+    print(f"long-chunk attention, {args.dtype}, {args.threads} threads; ms per layer call")
+    for q_len, seq_len in ((512, 512), (1500, 1500), (512, 1500)):
+        b = make_batch([q_len], [seq_len], **shapes)
+        query, table = b.query, b.meta.block_tables[0]
+        old = time_ms(lambda: sdpa_prefill(query, b.kv_cache, table, seq_len, 64 ** -0.5), args.reps)
+        new = time_ms(lambda: torch_attention.prefill_attention(query, b.kv_cache, table, seq_len, 64 ** -0.5),
+                      args.reps)
+        results[f"{q_len}/{seq_len}"] = {"sdpa_ms": old, "tiled_ms": new, "speedup": old / new}
+        print(f"  {q_len:5d} rows over {seq_len:5d} tokens: one SDPA call {old:8.2f}  tiled {new:8.2f}  "
+              f"({old / new:.1f}x)")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -64,6 +97,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--cache-gib", type=float, default=0.0,
                     help="spread the blocks over a K+V cache of this size (0: just the blocks the batch needs)")
+    ap.add_argument("--prefill", action="store_true", help="time long-chunk (prefill) attention instead of decode")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -71,6 +105,11 @@ def main() -> None:
     block_bytes = 2 * 16 * 3 * 64 * dtype.itemsize   # K and V of one block
     spare = max(3, int(args.cache_gib * (1 << 30) / block_bytes))
     shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64, dtype=dtype, spare_blocks=spare)
+    if args.prefill:
+        results = prefill_cost(args, shapes)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        return
     short = make_batch([1] * args.batch, [args.short] * args.batch, **shapes)
     skewed = make_batch([1] * args.batch, [args.short] * (args.batch - 1) + [args.long], **shapes)
     scale = 64 ** -0.5

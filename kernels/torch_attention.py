@@ -11,7 +11,8 @@ longest), in the cache's own dtype (no float32 copy of the cache):
   context. On CPU the C++ op (``cpu_paged_attention``) reads each row's blocks in place. Elsewhere,
   or without a compiler, rows are bucketed by length (a bucket spans at most ``BUCKET_RATIO`` x its
   shortest row, plus a block) and each bucket is one padded, masked SDPA call.
-- *Long chunks and prompts*: one SDPA call per sequence over its own gathered context.
+- *Long chunks and prompts*: per sequence over its own gathered context, in float32 tiles of query rows
+  that each read only the keys they can see (`prefill_attention`).
 
 Exact lengths are read from the device tensors (``seq_lens``, ``query_start_loc``), never from the
 host lists, which a CUDA-graph capture fixes at an upper bound (see ``attention_metadata.py``). On
@@ -32,6 +33,7 @@ from .reference_attention import gather_context
 
 SHORT_CHUNK = 16     # chunks of up to this many rows go row by row; longer ones through one SDPA call
 BUCKET_RATIO = 2.0   # torch fallback: a bucket's rows are padded to at most this x its shortest row
+PREFILL_TILE = 64    # query rows per tile of a long chunk's attention (scores of a tile stay in cache)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -150,19 +152,34 @@ def rows_attention_bucketed(query: torch.Tensor, kv_cache: torch.Tensor, block_t
 
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                       scale: float) -> torch.Tensor:
-    """The last ``len(query)`` positions of one sequence, causally over its ``seq_len`` context tokens."""
+    """The last ``len(query)`` positions of one sequence, causally over its ``seq_len`` context tokens.
+
+    In float32, ``PREFILL_TILE`` query rows at a time, each tile over only the keys it can see: the
+    scores stay a few MB (they fit in cache), and the causal half of the work is skipped. One SDPA call
+    over the whole prompt materialises every score -- 80 MB at 1,500 tokens -- and was 3-6x slower on
+    CPU (benchmarks/attention_cost.py --prefill)."""
     q_len = query.shape[0]
-    k, v = gather_context(kv_cache, block_table, seq_len)
-    q_t = query.to(kv_cache.dtype).transpose(0, 1)
-    k_t, v_t = k.transpose(0, 1), v.transpose(0, 1)
-    if q_len == seq_len:
-        out = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        # bottom-right aligned causal mask: row j sees keys up to seq_len - q_len + j
-        rows = torch.arange(q_len, device=query.device)[:, None] + (seq_len - q_len)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1).to(query.dtype)
+    q_heads, dim = query.shape[1], query.shape[2]
+    k, v = gather_context(kv_cache, block_table, seq_len)            # [seq_len, kv_heads, dim]
+    kv_heads = k.shape[1]
+    group = q_heads // kv_heads
+    k_t = k.float().transpose(0, 1).transpose(1, 2)                   # [kv_heads, dim, seq_len]
+    v_t = v.float().transpose(0, 1)                                   # [kv_heads, seq_len, dim]
+    # [kv_heads, group, q_len, dim]: a kv head's query heads side by side, so one bmm serves the group
+    q_t = (query.float() * scale).view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
+    out = torch.empty(kv_heads, group, q_len, dim, dtype=torch.float32, device=query.device)
+    first_key = seq_len - q_len   # query row j sees keys 0 .. first_key + j (bottom-right causal)
+    for a in range(0, q_len, PREFILL_TILE):
+        b = min(q_len, a + PREFILL_TILE)
+        n, visible = b - a, first_key + b
+        scores = torch.bmm(q_t[:, :, a:b].reshape(kv_heads, group * n, dim), k_t[:, :, :visible])
+        scores = scores.view(kv_heads, group, n, visible)
+        # every key before the tile's own diagonal is visible to all its rows; mask the triangle
+        future = torch.ones(n, n, dtype=torch.bool, device=query.device).triu_(1)
+        scores[..., visible - n:].masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(kv_heads, group * n, visible)
+        out[:, :, a:b] = torch.bmm(probs, v_t[:, :visible]).view(kv_heads, group, n, dim)
+    return out.view(q_heads, q_len, dim).transpose(0, 1).to(query.dtype)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -37,6 +37,15 @@ def test_mixed_batch_every_row_kind(op_mode, dtype):
     _check([1, 5, long_chunk, 0, 1, 24], [9, 30, long_chunk + 9, 3, 1, 24], dtype, q_heads=6, kv_heads=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_span_several_query_tiles(op_mode, dtype):
+    """Long chunks go PREFILL_TILE query rows at a time, each tile over the keys it can see: a whole
+    prompt and a chunk late in its context, both over several tiles and ending mid-tile, must match
+    the reference (a tile's masked triangle and its fully visible keys both in play)."""
+    tile = torch_attention.PREFILL_TILE
+    _check([2 * tile + 7, tile + 1], [2 * tile + 7, 3 * tile + 5], dtype, block_size=16, q_heads=9, kv_heads=3)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 def test_decode_lengths_across_block_boundaries(op_mode, block_size):
     lens = [1, block_size - 1 or 1, block_size, block_size + 1, 3 * block_size, 70]
