@@ -85,3 +85,19 @@ def test_engine_tokens_are_the_same_with_or_without_the_fused_ops(tiny_llama_dir
     else:   # bf16 rounding of a random tiny model can tip a near-tie; most tokens must agree
         same = sum(a == b for x, y in zip(runs["auto"], runs["off"]) for a, b in zip(x, y))
         assert same >= 0.9 * sum(len(x) for x in runs["off"])
+
+
+def test_a_bf16_model_keeps_float32_rotary_tables_and_takes_the_fused_op(ops, monkeypatch):
+    """``model.to(bfloat16)`` moves the cos/sin tables but leaves them float32, so bf16 steps rotate
+    in the fused op (which reads float32 tables) rather than on torch ops with bf16 tables."""
+    from types import SimpleNamespace
+    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), 64, 128)
+    want = rope.cos.clone()
+    rope.to(dtype=torch.bfloat16)
+    assert rope.cos.dtype == rope.sin.dtype == torch.float32 and torch.equal(rope.cos, want)
+    calls = []
+    monkeypatch.setattr("pagedmodel.server.engine.models.llama.cpu_layer_ops",
+                        lambda x: SimpleNamespace(rotary_embedding=lambda *a: calls.append(a[0].dtype)))
+    q, k = torch.zeros(3, 9, 64, dtype=torch.bfloat16), torch.zeros(3, 3, 64, dtype=torch.bfloat16)
+    rope(torch.arange(3), q, k)
+    assert calls == [torch.bfloat16, torch.bfloat16]

@@ -81,6 +81,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """Moves the tables with the model but keeps them float32 whatever its dtype: the fused CPU op
+        reads float32 tables and rounds once (bf16 tables sent every bf16 step down the slower torch
+        path, which casts them to the activations' dtype at use, as HF does)."""
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+        return self
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ops = cpu_layer_ops(q)
         if ops is not None and self.cos.dtype == torch.float32 and self.cos.is_contiguous():

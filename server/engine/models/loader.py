@@ -73,7 +73,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
     missing = set(params) - loaded
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:4]}")
-    # cos/sin tables follow the dtype too: HF also casts them to the activations' dtype before use
+    # (the rotary cos/sin tables move with the model but stay float32: RotaryEmbedding._apply)
     model.to(device=device, dtype=dtype)
 
 
