@@ -17,9 +17,16 @@ prepacked oneDNN matmul handle per layer).
   GFLOP/s). Each layer then also keeps a float32 packed copy of its weight, and steps of at least
   ``FLOAT32_GEMM_MIN_ROWS`` rows cast their input to float32, multiply there and cast the output
   back (the head keeps float32 logits, which the sampler wants anyway): 1.3-1.4x faster at 64 rows,
-  casts included; below 16 rows reading twice the weight bytes costs more than it saves, so small
-  steps keep the bf16 weight. The copies cost 4 bytes a parameter, so ``pack_linears`` makes them
-  only within ``FLOAT32_COPY_BUDGET`` (the model's linears, all together).
+  casts included. Below ``FLOAT32_GEMM_MIN_ROWS`` rows reading twice the weight bytes costs more than
+  it saves, so small steps read the bf16 weight: through our op (``cpu_bf16_linear.cpp``, AVX-512)
+  over a panel-packed copy, which widens the bf16 weights in registers and multiplies in float32.
+  Per decode step of SmolLM2-135M (one thread, the engine's own steps, 300-token contexts): 8 rows
+  92 -> 67 ms, 16 rows 125 -> 90 ms against oneDNN's bf16 GEMM. With more rows it is compute bound
+  at ~100 GFLOP/s, where oneDNN's float32 GEMM reaches 115-140 (weights in cache, from 24 rows); with
+  the weights streamed from DRAM as in a real step the two tie around 32-48 rows, hence the split. The copies
+  cost 4 bytes a parameter, so ``pack_linears`` makes them only within ``FLOAT32_COPY_BUDGET`` (the
+  model's linears, all together); without the op (no compiler, no AVX-512) small steps use oneDNN's
+  bf16 GEMM over its own packed copy.
 
 oneDNN builds (and caches) a primitive for every input shape it meets, about a megabyte each with
 its scratchpad: serving, where the rows of a step take every value from 1 to max-num-batched-tokens,
@@ -29,8 +36,8 @@ steps of an eighth of the power of two below; at most 12.5 % extra rows past 64)
 shapes to about 70 per weight.
 
 The reorder needs a CPU tensor and torch built with mkldnn; anything else keeps the plain layers.
-``PAGEDMODEL_CPU_LINEAR=packed|bf16|off`` (default ``packed`` where it applies): ``bf16`` packs without
-the float32 copies, ``off`` keeps the plain layers.
+``PAGEDMODEL_CPU_LINEAR=packed|bf16|off`` (default ``packed`` where it applies): ``bf16`` packs with
+oneDNN's bf16 GEMM alone (no float32 copies, no panels), ``off`` keeps the plain layers.
 """
 from __future__ import annotations
 
@@ -41,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_features
+from . import cpu_features, cpu_paged_attention
 
 log = logging.getLogger("pagedmodel.kernels.cpu_linear")
 
@@ -49,7 +56,9 @@ LINEAR_ENV = "PAGEDMODEL_CPU_LINEAR"
 LINEAR_ENV_VALUES = ("packed", "bf16", "off")
 # below this many rows F.linear's unpacked GEMM is as fast or faster (measured at M = 1)
 MIN_ROWS = {torch.float32: 8, torch.bfloat16: 1}
-FLOAT32_GEMM_MIN_ROWS = 16          # bf16 weights without AMX: float32 GEMMs from this many rows
+FLOAT32_GEMM_MIN_ROWS = 32          # bf16 weights without AMX: float32 GEMMs from this many rows
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})   # what cpu_bf16_linear.cpp vectorizes with
+PANEL = 32                          # output columns per panel (cpu_bf16_linear.cpp)
 FLOAT32_COPY_BUDGET = 4 << 30       # bytes of float32 weight copies a model may add
 
 
@@ -72,6 +81,26 @@ def float32_gemms(weights: list[torch.Tensor], amx: bool | None = None) -> bool:
     if cpu_features.has_amx_bf16() if amx is None else amx:
         return False
     return sum(w.numel() for w in weights) * 4 <= FLOAT32_COPY_BUDGET
+
+
+def bf16_panels(flags: frozenset[str] | None = None) -> bool:
+    """Whether small bf16 steps can go through ``cpu_bf16_linear.cpp``: the CPU has the AVX-512 it is
+    vectorized for and the CPU ops extension loads."""
+    if not AVX512_FLAGS <= (cpu_features.cpu_flags() if flags is None else flags):
+        return False
+    return cpu_paged_attention.bf16_linear() is not None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ([N, K] bf16) in ``cpu_bf16_linear.cpp``'s layout: [panels, K/2, 64] int16, zero-padded to
+    whole 32-column panels and an even K; in a panel, per input pair (k, k+1), two blocks of 16 columns
+    of (W[n][k], W[n][k+1]) pairs."""
+    n, k = weight.shape
+    rows, cols = -(-n // PANEL) * PANEL, k + k % 2
+    padded = weight.new_zeros(rows, cols, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    blocks = padded.view(torch.int16).view(rows // PANEL, 2, PANEL // 2, cols // 2, 2)
+    return blocks.permute(0, 3, 1, 2, 4).contiguous().view(rows // PANEL, cols // 2, 2 * PANEL)
 
 
 def applies(weight: torch.Tensor, native_bf16: bool | None = None) -> bool:
@@ -98,7 +127,8 @@ def padded_rows(rows: int) -> int:
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` through a oneDNN-packed copy of ``weight`` for steps of at least
     ``MIN_ROWS[dtype]`` rows; with ``float32_gemm`` (bf16 weights), through a float32 packed copy for
-    steps of at least ``FLOAT32_GEMM_MIN_ROWS``. ``float_output``: such steps return float32 (the head)."""
+    steps of at least ``FLOAT32_GEMM_MIN_ROWS`` and, where ``bf16_panels()``, through the panel op for
+    smaller ones. ``float_output``: those steps return float32 (the head)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, float32_gemm: bool = False,
                  float_output: bool = False):
@@ -106,9 +136,11 @@ class PackedLinear(nn.Module):
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         reorder = torch.ops.mkldnn._reorder_linear_weight
+        use32 = float32_gemm and self.weight.dtype == torch.bfloat16
+        self._panel_op = cpu_paged_attention.bf16_linear() if use32 and bf16_panels() else None
         with torch.no_grad():
-            self.packed = reorder(self.weight.detach(), None)
-            use32 = float32_gemm and self.weight.dtype == torch.bfloat16
+            self.panels = pack_panels(self.weight.detach()) if self._panel_op is not None else None
+            self.packed = reorder(self.weight.detach(), None) if self.panels is None else None
             self.packed32 = reorder(self.weight.detach().float(), None) if use32 else None
             self.bias32 = bias.detach().float() if use32 and bias is not None else None
         self.min_rows = MIN_ROWS[self.weight.dtype]
@@ -122,8 +154,10 @@ class PackedLinear(nn.Module):
         rows = x.shape[0] if x.dim() == 2 else 0
         if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        padded = padded_rows(rows)
         wide = self.packed32 is not None and rows >= FLOAT32_GEMM_MIN_ROWS
+        if not wide and self.panels is not None:   # no oneDNN primitive per shape: no padding either
+            return self._panel_op(x, self.panels, self.out_features, self.bias32, self.float_output)
+        padded = padded_rows(rows)
         if padded != rows:   # the extra rows' outputs are computed and dropped
             buf = x.new_zeros(padded, x.shape[1], dtype=torch.float32 if wide else x.dtype)
             buf[:rows] = x   # the cast, if any, in the same copy

@@ -82,9 +82,10 @@ def test_engine_tokens_are_the_same_with_or_without_the_fused_ops(tiny_llama_dir
         runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     if dtype == torch.float32:
         assert runs["auto"] == runs["off"]
-    else:   # bf16 rounding of a random tiny model can tip a near-tie; most tokens must agree
-        same = sum(a == b for x, y in zip(runs["auto"], runs["off"]) for a, b in zip(x, y))
-        assert same >= 0.9 * sum(len(x) for x in runs["off"])
+    else:   # bf16 rounding of a random tiny model can tip a near-tie (then the rest of that sequence
+        # differs: the last prompt's first token is one, in every bf16 variant against float32); a
+        # broken op would move them all
+        assert sum(x != y for x, y in zip(runs["auto"], runs["off"])) <= 1
 
 
 def test_a_bf16_model_keeps_float32_rotary_tables_and_takes_the_fused_op(ops, monkeypatch):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedmodel.kernels import cpu_features, cpu_linear
+from pagedmodel.kernels import cpu_features, cpu_linear, cpu_paged_attention
 from pagedmodel.kernels.cpu_linear import PackedLinear, pack_linears
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
@@ -68,9 +68,12 @@ def test_bf16_packed_matches_f_linear_from_one_row(rows, monkeypatch):
 @bf16_packs
 @pytest.mark.parametrize("rows", [1, cpu_linear.FLOAT32_GEMM_MIN_ROWS - 1, cpu_linear.FLOAT32_GEMM_MIN_ROWS, 64, 77])
 @pytest.mark.parametrize("float_output", [False, True])
-def test_bf16_weights_multiply_in_float32_from_min_rows(rows, float_output, monkeypatch):
+@pytest.mark.parametrize("panels", [False, True])
+def test_bf16_weights_multiply_in_float32_from_min_rows(rows, float_output, panels, monkeypatch):
     """Without AMX, large steps multiply a float32 copy of the bf16 weight: the product of the bf16
-    values, exact to float32 (the bias too), returned as bf16 or, for the head, float32."""
+    values, exact to float32 (the bias too), returned as bf16 or, for the head, float32. Small steps
+    go through the panel op where it applies (float32 arithmetic too), else oneDNN's bf16 GEMM."""
+    monkeypatch.setattr(cpu_linear, "bf16_panels", lambda: panels)
     weights = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
@@ -80,15 +83,62 @@ def test_bf16_weights_multiply_in_float32_from_min_rows(rows, float_output, monk
     b = torch.randn(96, generator=g).bfloat16()
     x = torch.randn(rows, 64, generator=g).bfloat16()
     with torch.inference_mode():
-        got = PackedLinear(w, b, float32_gemm=True, float_output=float_output)(x)
+        layer = PackedLinear(w, b, float32_gemm=True, float_output=float_output)
+        got = layer(x)
     wide = rows >= cpu_linear.FLOAT32_GEMM_MIN_ROWS
-    assert weights == [torch.float32 if wide else torch.bfloat16]
-    assert got.shape == (rows, 96) and got.dtype == (torch.float32 if wide and float_output else torch.bfloat16)
+    assert (layer.panels is not None) == panels and (layer.packed is None) == panels
+    assert weights == ([torch.float32] if wide else [] if panels else [torch.bfloat16])
+    float32_arithmetic = wide or panels
+    assert got.shape == (rows, 96)
+    assert got.dtype == (torch.float32 if float32_arithmetic and float_output else torch.bfloat16)
     exact = F.linear(x.float(), w.float(), b.float())
-    if wide:
-        torch.testing.assert_close(got.float(), exact if float_output else exact.bfloat16().float(), rtol=1e-5, atol=1e-4)
+    if float32_arithmetic and float_output:
+        torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-4)
+    elif float32_arithmetic:   # rounded once to bf16 (summation order may move a tie by one ulp)
+        torch.testing.assert_close(got.float(), exact.bfloat16().float(), rtol=2 ** -7, atol=1e-4)
     else:
         torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (50, 33), (31, 7), (960, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 9, 17, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_op_is_the_float32_product_of_the_bf16_values(out_features, in_features, rows, bias):
+    """``cpu_bf16_linear.cpp`` over ``pack_panels``: partial panels, odd K, row tiles and their
+    remainders, bias; float32 out exact to float32, bf16 out rounded once."""
+    op = cpu_paged_attention.bf16_linear()
+    if op is None:
+        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+    g = torch.Generator().manual_seed(rows * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g) if bias else None
+    panels = cpu_linear.pack_panels(w)
+    assert panels.shape == (-(-out_features // cpu_linear.PANEL), -(-in_features // 2), 2 * cpu_linear.PANEL)
+    exact = F.linear(x.float(), w.float(), b)
+    got32 = op(x, panels, out_features, b, True)
+    torch.testing.assert_close(got32, exact, rtol=1e-5, atol=1e-4)
+    got16 = op(x, panels, out_features, b, False)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), exact.bfloat16().float(), rtol=2 ** -7, atol=1e-4)
+
+
+def test_panel_op_rejects_mismatched_shapes():
+    op = cpu_paged_attention.bf16_linear()
+    if op is None:
+        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+    panels = cpu_linear.pack_panels(torch.randn(64, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="x has 18 columns"):
+        op(torch.randn(2, 18).bfloat16(), panels, 64, None, False)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        op(torch.randn(2, 16).bfloat16(), panels, 65, None, False)
+    with pytest.raises(RuntimeError, match="bias has 3 values"):
+        op(torch.randn(2, 16).bfloat16(), panels, 64, torch.zeros(3), False)
+
+
+def test_panels_need_avx512_and_the_op():
+    assert not cpu_linear.bf16_panels(frozenset({"avx2", "avx512_bf16"}))
+    assert cpu_linear.bf16_panels(frozenset(cpu_linear.AVX512_FLAGS)) == (cpu_paged_attention.bf16_linear() is not None)
 
 
 def test_float32_copies_only_without_amx_within_budget_and_not_when_told_bf16(monkeypatch):
