@@ -264,7 +264,10 @@ def run_serving(model_dir: str, reqs: list[Req], tokenizer, args) -> dict:
         cmd = [str(Path(args.vllm_venv, "bin", "python")), "-m", "vllm.entrypoints.openai.api_server", "--model",
                model_dir, "--port", "8912", "--dtype", args.dtype,
                "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048", "--gpu-memory-utilization", "0.3",
-               "--served-model-name", "smollm2"]
+               "--served-model-name", "smollm2",
+               # every rate sends the same prompts again: with vLLM's default prefix cache the later rates
+               # would skip their prefill, which `pagedmodel serve` (prefix caching off by default) does not
+               "--no-enable-prefix-caching"]
         try:
             out["vllm"] = serve_and_bench(cmd, {**os.environ, **vllm_env(args)}, 8912, dataset, args,
                                           dataset.with_name("vllm.log"))
