@@ -4,9 +4,10 @@
 // guest, its float32 GEMM near 135, and small steps are bound by reading the weights (a decode step
 // of SmolLM2-135M streams 270 MB of bf16 weights). This op reads the bf16 weights once (half the
 // bytes of a float32 copy), widens them in registers (a bf16 is the top half of a float32: a shift
-// or a mask) and multiplies in float32 with FMAs. Measured per decode step (30 layers + head, one
-// thread, weights streamed from DRAM): 8 rows 45 -> 25 ms, 16 rows 67 -> 41 ms, 64 rows 150 -> 135 ms
-// (against the better of oneDNN's bf16 and float32 GEMMs); at 2,048 rows it matches oneDNN's float32.
+// or a mask) and multiplies in float32 with FMAs. A microbenchmark of a step's linears (30 layers +
+// head, one thread, weights streamed from DRAM): 8 rows 45 -> 25 ms, 16 rows 67 -> 41 ms against
+// oneDNN's bf16 GEMM. With more rows it is compute bound near 100 GFLOP/s, below oneDNN's float32
+// GEMM (115-140), so kernels/cpu_linear.py sends steps of 32 rows or more there.
 //
 // Weight layout (kernels/cpu_linear.py packs it): panels of 32 output columns; within a panel, for
 // each pair of input columns (k, k + 1), two blocks of 16 output columns, each 16 dwords whose low

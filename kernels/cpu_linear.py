@@ -17,16 +17,16 @@ prepacked oneDNN matmul handle per layer).
   GFLOP/s). Each layer then also keeps a float32 packed copy of its weight, and steps of at least
   ``FLOAT32_GEMM_MIN_ROWS`` rows cast their input to float32, multiply there and cast the output
   back (the head keeps float32 logits, which the sampler wants anyway): 1.3-1.4x faster at 64 rows,
-  casts included. Below ``FLOAT32_GEMM_MIN_ROWS`` rows reading twice the weight bytes costs more than
-  it saves, so small steps read the bf16 weight: through our op (``cpu_bf16_linear.cpp``, AVX-512)
-  over a panel-packed copy, which widens the bf16 weights in registers and multiplies in float32.
-  Per decode step of SmolLM2-135M (one thread, the engine's own steps, 300-token contexts): 8 rows
-  92 -> 67 ms, 16 rows 125 -> 90 ms against oneDNN's bf16 GEMM. With more rows it is compute bound
-  at ~100 GFLOP/s, where oneDNN's float32 GEMM reaches 115-140 (weights in cache, from 24 rows); with
-  the weights streamed from DRAM as in a real step the two tie around 32-48 rows, hence the split. The copies
-  cost 4 bytes a parameter, so ``pack_linears`` makes them only within ``FLOAT32_COPY_BUDGET`` (the
-  model's linears, all together); without the op (no compiler, no AVX-512) small steps use oneDNN's
-  bf16 GEMM over its own packed copy.
+  casts included. Below ``FLOAT32_GEMM_MIN_ROWS`` rows reading twice the weight bytes costs more
+  than it saves, so small steps read the bf16 weight: through our op (``cpu_bf16_linear.cpp``,
+  AVX-512) over a panel-packed copy, which widens the bf16 weights in registers and multiplies in
+  float32. Per decode step of SmolLM2-135M (one thread, the engine's own steps, 300-token contexts):
+  8 rows 92 -> 67 ms, 16 rows 125 -> 90 ms against oneDNN's bf16 GEMM. With more rows it is compute
+  bound at ~100 GFLOP/s, where oneDNN's float32 GEMM reaches 115-140 (weights in cache, from 24
+  rows); with the weights streamed from DRAM as in a real step the two tie around 32-48 rows, hence
+  the split. The copies cost 4 bytes a parameter, so ``pack_linears`` makes them only within
+  ``FLOAT32_COPY_BUDGET`` (the model's linears, all together); without the op (no compiler, no
+  AVX-512) small steps use oneDNN's bf16 GEMM over its own packed copy.
 
 oneDNN builds (and caches) a primitive for every input shape it meets, about a megabyte each with
 its scratchpad: serving, where the rows of a step take every value from 1 to max-num-batched-tokens,

@@ -6,9 +6,9 @@ gather, no padding to the batch's longest context, no float32 copy of the cache)
 ``cpu_logits_stats.cpp`` gives each logits row's argmax and log-sum-exp in two passes (the sampler's
 greedy tokens and chosen-token logprobs without a full log_softmax). ``cpu_layer_ops.cpp`` fuses the
 residual add with RMSNorm, SiLU(gate) x up, and rotary embedding. ``cpu_bf16_linear.cpp`` multiplies
-bf16 weights in float32 (``cpu_linear.PanelLinear``, for CPUs without AMX). All four are compiled into one
-extension with ``torch.utils.cpp_extension`` the first time a process needs it (tens of seconds,
-once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
+bf16 weights in float32 (small steps of ``cpu_linear.PackedLinear`` on CPUs without AMX). All four
+are compiled into one extension with ``torch.utils.cpp_extension`` the first time a process needs it
+(tens of seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, keyed by the sources, flags, torch version and CPU flags, since
 ``-march=native`` code must not run on another CPU). Without a C++ compiler, or with
 ``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``, ``logits_stats()``, ``layer_ops()`` and ``bf16_linear()``
