@@ -20,7 +20,7 @@ import pytest
 from .servers import Outcome, Server, body, engine, metric, router, send, upstream_healthy, wait_for
 
 STREAM_IDLE_S = 4.0          # the router's --stream-idle-timeout here: a stream silent this long is ended
-LONG = 200                   # tokens of a request meant to be in flight when the fault hits
+LONG = 800                   # tokens of a request meant to be in flight when the fault hits (200 could finish first)
 IN_FLIGHT_TOKENS = 1000      # tokens of one that must outlast the router's kill (--max-model-len 1024 here)
 
 
