@@ -26,8 +26,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
+
+#include "cpu_vector_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -36,24 +37,12 @@
 
 namespace {
 
+using pagedmodel_cpu::bf16_bits;
+using pagedmodel_cpu::to_float;
+
 constexpr int64_t kPanel = 32;     // output columns per panel
 constexpr int64_t kPanelPair = 64; // int16 per k pair in a panel
 constexpr int kRowTile = 8;        // rows multiplied together: 16 accumulators of 16 floats
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);   // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 struct Problem {
   const float* x;          // [rows, ldx] float32, ldx = 2 * kpairs (zero-padded)
@@ -154,7 +143,8 @@ void tile(const Problem& p, int64_t row0, int rows, int64_t panel) {
       const uint16_t* wk = w + kp * kPanelPair;
       for (int64_t j = 0; j < kPanel; ++j) {
         const uint16_t* pair = wk + (j / 16) * 32 + (j % 16) * 2;
-        acc[j] += x[2 * kp] * bf16_to_float(pair[0]) + x[2 * kp + 1] * bf16_to_float(pair[1]);
+        acc[j] += x[2 * kp] * to_float(c10::BFloat16(pair[0], c10::BFloat16::from_bits())) +
+                  x[2 * kp + 1] * to_float(c10::BFloat16(pair[1], c10::BFloat16::from_bits()));
       }
     }
     for (int64_t j = 0; j < cols; ++j) {
@@ -162,7 +152,7 @@ void tile(const Problem& p, int64_t row0, int rows, int64_t panel) {
       if (p.float_output) {
         static_cast<float*>(p.y)[(row0 + m) * p.n + col + j] = v;
       } else {
-        static_cast<uint16_t*>(p.y)[(row0 + m) * p.n + col + j] = float_to_bf16(v);
+        static_cast<uint16_t*>(p.y)[(row0 + m) * p.n + col + j] = bf16_bits(v);
       }
     }
   }

@@ -24,14 +24,7 @@
 namespace {
 
 using pagedmodel_cpu::to_float;
-// float -> bf16 bits, round to nearest even (NaN stays NaN), in integer ops a simd loop vectorizes
-// (c10::BFloat16's own constructor does not: a 10x slower SiLU on prefill-sized steps)
-inline uint16_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  const uint32_t rounded = u + 0x7FFFu + ((u >> 16) & 1u);
-  return x != x ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded >> 16);
-}
+using pagedmodel_cpu::bf16_bits;
 inline void store(float* dst, float x) { *dst = x; }
 inline void store(c10::BFloat16* dst, float x) { dst->x = bf16_bits(x); }
 
