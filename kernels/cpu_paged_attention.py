@@ -1,19 +1,21 @@
 """The CPU ops, built on first use: the attention op for short query rows (decode, small chunks), the
-per-row argmax + log-sum-exp a sampling step needs, and a decoder layer's fused elementwise ops.
+per-row argmax + log-sum-exp and the random draws a sampling step needs, a decoder layer's fused
+elementwise ops, and bf16-weight linears.
 
 ``cpu_paged_attention.cpp`` reads each row's own K/V blocks in place from the paged cache (no
 gather, no padding to the batch's longest context, no float32 copy of the cache).
 ``cpu_logits_stats.cpp`` gives each logits row's argmax and log-sum-exp in two passes (the sampler's
 greedy tokens and chosen-token logprobs without a full log_softmax). ``cpu_layer_ops.cpp`` fuses the
 residual add with RMSNorm, SiLU(gate) x up, and rotary embedding. ``cpu_bf16_linear.cpp`` multiplies
-bf16 weights in float32 (small steps of ``cpu_linear.PackedLinear`` on CPUs without AMX). All four
-are compiled into one extension with ``torch.utils.cpp_extension`` the first time a process needs it
+bf16 weights in float32 (small steps of ``cpu_linear.PackedLinear`` on CPUs without AMX).
+``cpu_sampling.cpp`` draws the random rows' tokens (temperature, top-k, min-p, top-p, without a sort). All
+five are compiled into one extension with ``torch.utils.cpp_extension`` the first time a process needs it
 (tens of seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, keyed by the sources, flags, torch version and CPU flags, since
 ``-march=native`` code must not run on another CPU). Without a C++ compiler, or with
-``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``, ``logits_stats()``, ``layer_ops()`` and ``bf16_linear()``
-return None and torch ops do the same work (``torch_attention``, the sampler's fallback, the model's torch
-path, oneDNN's linears).
+``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``, ``logits_stats()``, ``layer_ops()``, ``bf16_linear()`` and
+``sampling()`` return None and torch ops do the same work (``torch_attention``, the sampler's fallbacks, the
+model's torch path, oneDNN's linears).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ OP_ENV = "PAGEDMODEL_CPU_ATTENTION_OP"
 OP_ENV_VALUES = ("auto", "off")
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp", HERE / "cpu_layer_ops.cpp",
-           HERE / "cpu_bf16_linear.cpp")
+           HERE / "cpu_bf16_linear.cpp", HERE / "cpu_sampling.cpp")
 HEADERS = (HERE / "cpu_vector_math.h",)
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
@@ -90,6 +92,12 @@ def bf16_linear() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.pagedmodel.bf16_weight_linear`` (``cpu_bf16_linear.cpp``, built with the attention op);
     None if unavailable."""
     return None if load() is None else torch.ops.pagedmodel.bf16_weight_linear
+
+
+def sampling() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.pagedmodel.sample_from_logits`` (``cpu_sampling.cpp``, built with the attention op);
+    None if unavailable."""
+    return None if load() is None else torch.ops.pagedmodel.sample_from_logits
 
 
 def load_error() -> str | None:

@@ -109,9 +109,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
             tokens[i] = token
     drawn = [i for i, row in enumerate(rows) if not (row.params.greedy or row.params.use_beam_search)]
     if drawn:
-        index = torch.tensor(drawn, dtype=torch.long, device=logits.device)
-        picked = draw(logits.index_select(0, index), [rows[i].params for i in drawn],
-                      [rows[i].generator for i in drawn])
+        block = logits   # draw() leaves it as it is: the copy is for blocks with other rows only
+        if len(drawn) < len(rows):
+            block = logits.index_select(0, torch.tensor(drawn, dtype=torch.long, device=logits.device))
+        picked = draw(block, [rows[i].params for i in drawn], [rows[i].generator for i in drawn])
         for i, token in zip(drawn, picked):
             tokens[i] = token
     for i in constrained:

@@ -18,6 +18,7 @@ from pagedmodel.server.engine.penalties import apply_penalties
 from pagedmodel.server.engine.random_sampling import inverse_cdf, truncate
 from pagedmodel.server.engine.sampler import SamplingRow, sample
 from pagedmodel.server.engine.sampling_params import SamplingParams
+from sampling_reference import random_params, reference_probs
 
 VOCAB = 2000
 
@@ -42,23 +43,6 @@ def reference_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return logits
 
 
-def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.min_p > 0:
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= p.top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return torch.softmax(logits, dim=-1)
-
-
 def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """``truncate``'s groups laid back out as one dense ``[rows, vocab]`` block of (unnormalised) probabilities."""
     dense = torch.zeros_like(logits)
@@ -66,13 +50,6 @@ def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         rows = torch.tensor(group.rows, dtype=torch.long)
         dense[rows] = group.probs if group.ids is None else dense[rows].scatter(1, group.ids, group.probs)
     return dense
-
-
-def random_params(rng: random.Random) -> SamplingParams:
-    return SamplingParams(temperature=rng.choice([0.3, 0.7, 1.0, 1.5, 8.0]), top_p=rng.choice([1.0, 0.95, 0.8, 0.3]),
-                          top_k=rng.choice([-1, 0, 1, 5, 50, 400]), min_p=rng.choice([0.0, 0.0, 0.05, 0.2]),
-                          repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]),
-                          presence_penalty=rng.choice([0.0, 0.5, -0.4]), frequency_penalty=rng.choice([0.0, 0.2]))
 
 
 def random_rows(rng: random.Random, n: int) -> list[SamplingRow]:
