@@ -23,6 +23,8 @@ from typing import Any, Protocol
 from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams
 
+from .allocator import HeapTrimmer
+
 logger = logging.getLogger("pagedmodel.server.api.async_engine")
 
 
@@ -156,8 +158,10 @@ class AsyncEngine:
     """Runs `engine` on a background thread; `add` / `abort` are called from the asyncio loop."""
 
     def __init__(self, engine: EngineLike, *, max_queue_len: int | None = None,
-                 observer: StepObserver | None = None, retry_after_s: int = 1):
+                 observer: StepObserver | None = None, retry_after_s: int = 1,
+                 heap_trimmer: HeapTrimmer | None = None):
         self.engine = engine
+        self.heap_trimmer = heap_trimmer   # called between steps, on this thread (allocator.py says why)
         self.max_queue_len = max_queue_len
         self.observer = observer
         self.retry_after_s = retry_after_s
@@ -350,6 +354,8 @@ class AsyncEngine:
                         loop.call_soon_threadsafe(_deliver, items)
                     except RuntimeError:
                         pass  # that event loop is closed: nobody is listening any more
+                if self.heap_trimmer is not None:   # after the outputs are on their way: a trim takes ms
+                    self.heap_trimmer.after_step(idle=not self.engine.has_unfinished_requests())
             reason: BaseException = EngineDeadError("server is shutting down")
         except BaseException as exc:  # noqa: BLE001 - the loop must report any death, then stop
             logger.exception("engine loop died")

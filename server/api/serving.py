@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from pagedmodel.server.engine.input_processor import InvalidRequestError, encode_prompt
 from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
+from .allocator import heap_trimmer
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
 from .api_key import DEFAULT_AUTH_EXEMPT
 from .errors import UNSERVED_HEADER, APIError, validation_message
@@ -87,7 +88,7 @@ class OpenAIServing:
         longest = max((len(p) for p in self._enc_tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.max_prompt_tokens * max(1, longest)
         self.async_engine = AsyncEngine(engine, max_queue_len=config.max_queue_len,
-                                        retry_after_s=config.retry_after_s)
+                                        retry_after_s=config.retry_after_s, heap_trimmer=heap_trimmer())
         self.metrics = metrics or ServerMetrics(self.model_name, lambda: self.async_engine.last_stats,
                                                 cache_config=cache_config_labels(engine))
         self.async_engine.observer = self.metrics

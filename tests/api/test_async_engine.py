@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from pagedmodel.server.api.allocator import HeapTrimmer
 from pagedmodel.server.api.async_engine import AsyncEngine, EngineDeadError, QueueFullError, SubRequest
 from pagedmodel.server.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams
@@ -105,6 +106,28 @@ def test_abort_reaches_the_engine_before_its_next_step() -> None:
     steps_between = [c for c in engine.calls if c[0] == "step" and aborted_at[0] < c[2] < abort[2]]
     assert steps_between == []
     assert "r1" not in engine.requests
+
+
+def test_the_heap_is_trimmed_on_the_loop_thread_once_the_engine_goes_idle() -> None:
+    engine = RecordingEngine(max_tokens=4)
+    trims: list[tuple[str, int]] = []   # (thread name, requests left in the engine at the trim)
+    trimmer = HeapTrimmer(lambda: trims.append((threading.current_thread().name, len(engine.requests))),
+                          interval_s=3600)
+    ae = AsyncEngine(engine, heap_trimmer=trimmer)
+    ae.start()
+
+    async def scenario() -> None:
+        for rid in ("t1", "t2"):    # two busy periods, each ending idle
+            group = await ae.add(sub(rid))
+            async for _ in group.outputs():
+                pass
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        ae.shutdown()
+    steps = sum(1 for c in engine.calls if c[0] == "step")
+    assert steps >= 8 and trims == [("engine-loop", 0), ("engine-loop", 0)]   # not after the busy steps
 
 
 def test_queue_limit_counts_adds_since_the_last_snapshot() -> None:
