@@ -169,10 +169,8 @@ int64_t draw_kept(const float* e, int64_t vocab, Cut cut, float uniform, float* 
   if (kept_out != nullptr)
     for (int64_t t = 0; t < vocab; ++t) kept_out[t] = kept(e[t], t, cut);
   const double target = (1.0 - static_cast<double>(uniform)) * total;   // 1 - u is in (0, 1]
-  double before = 0.0;
-  int64_t last = -1;
+  double before = 0.0;   // the same additions as the total's, in the same order: the target is reached
   for (int64_t c = 0; c < chunks; ++c) {
-    if (chunk_mass[c] > 0.0) last = c;
     if (chunk_mass[c] > 0.0 && before + chunk_mass[c] >= target) {
       const int64_t lo = c * kChunk, hi = std::min(vocab, lo + kChunk);
       int64_t pick = -1;
@@ -188,10 +186,7 @@ int64_t draw_kept(const float* e, int64_t vocab, Cut cut, float uniform, float* 
     }
     before += chunk_mass[c];
   }
-  if (last < 0) return 0;  // nothing kept (a row of -inf): token 0, as an argmax would say
-  for (int64_t t = std::min(vocab, (last + 1) * kChunk) - 1; t >= last * kChunk; --t)
-    if (kept(e[t], t, cut) > 0.f) return t;
-  return 0;
+  return 0;  // nothing kept (only NaN terms can do that: the max's term is 1)
 }
 
 struct RowBuffers {  // one set per worker, reused row after row
@@ -211,7 +206,9 @@ int64_t sample_row(const float* logits, int64_t vocab, RowParams p, float* kept_
   }
   float kept_from = -std::numeric_limits<float>::infinity();
   if (p.top_k > 0 && p.top_k < vocab) {  // the k-th largest logit (dividing by T > 0 keeps the order)
-    buf.scratch.assign(logits, logits + vocab);
+    buf.scratch.resize(vocab);
+    for (int64_t t = 0; t < vocab; ++t)   // a NaN would break nth_element's ordering: it ranks last
+      buf.scratch[t] = logits[t] != logits[t] ? -std::numeric_limits<float>::infinity() : logits[t];
     std::nth_element(buf.scratch.begin(), buf.scratch.begin() + (p.top_k - 1), buf.scratch.end(), std::greater<float>());
     kept_from = buf.scratch[p.top_k - 1];
   }
