@@ -29,7 +29,8 @@ LIMIT_FLAGS = ("--max-body-bytes", "131072", "--max-header-bytes", "4096", "--re
 @pytest.fixture(scope="module")
 def limited(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("limits") / "server.log"
-    srv = ServerProcess(server_model_dir, log, "--max-model-len", "256", "--kv-cache-memory", str(8 << 20),
+    # a 1,024-token context, so that a request can hold the one sequence slot for ~1,000 steps (below)
+    srv = ServerProcess(server_model_dir, log, "--max-model-len", "1024", "--kv-cache-memory", str(8 << 20),
                         "--max-num-seqs", "1", "--served-model-name", MODEL, *LIMIT_FLAGS)
     try:
         yield srv.wait_ready()
@@ -139,8 +140,10 @@ def test_stream_idle_timeout_ends_a_queued_stream_with_an_error_event(limited: S
     """With one sequence slot busy for longer than --stream-idle-timeout, a queued stream sends nothing:
     it is ended with an error event and [DONE], and aborted (no blocks held afterwards)."""
     import threading
+    # 1,000 tiny-model steps take ~1 s: well over the 0.3 s timeout (240 no longer were, once serve's
+    # steps stopped paying page faults for every buffer)
     blocker = threading.Thread(target=lambda: httpx.post(limited.base_url + C, timeout=60, json={
-        "model": MODEL, "prompt": "block", "max_tokens": 240, "ignore_eos": True, "temperature": 0}))
+        "model": MODEL, "prompt": "block", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}))
     blocker.start()
     time.sleep(0.05)
     with httpx.stream("POST", limited.base_url + C, timeout=30, json={
