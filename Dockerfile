@@ -2,7 +2,7 @@
 #
 # CUDA: PyPI's Linux torch wheels bundle the CUDA runtime (nvidia-* wheels), so a plain Python base is
 # CUDA-capable; the host's NVIDIA container toolkit injects the driver. Triton JIT-compiles a small
-# launcher at run time and the CPU attention op (kernels/cpu_paged_attention.cpp) is built on first use,
+# launcher at run time and the CPU attention op (pagedmodel/kernels/cpu_paged_attention.cpp) is built on first use,
 # hence gcc, g++ and ninja in the final stage.
 #
 # Not built in CI: our machines have no container engine (and the build downloads torch + the default
@@ -14,7 +14,6 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY pagedmodel ./pagedmodel
 COPY server ./server
-COPY kernels ./kernels
 COPY operator ./operator
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

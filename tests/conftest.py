@@ -19,7 +19,7 @@ import pytest
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the CPU ops extension (kernels/cpu_*.cpp) once, before any test: the first engine to
+    """Build the CPU ops extension (pagedmodel/kernels/cpu_*.cpp) once, before any test: the first engine to
     start would build it otherwise (30-60 s on a fresh machine), inside some test's startup timeout.
     A failed build is left to the tests that need the ops (they fail on it, with the compiler's error)."""
     from pagedmodel.kernels import cpu_paged_attention

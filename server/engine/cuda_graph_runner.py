@@ -21,7 +21,7 @@ with: input ids, positions, slot mapping, sequence lengths, query start offsets 
 state output. Each size's ``AttentionMetadata`` is a set of views of them whose host lists are
 fixed at capture: one token per row, and ``seq_lens_cpu`` = max model length for every row. The
 kernels only size grids and tune from the host lists and read exact lengths from the device
-tensors (see ``kernels/attention_metadata.py``), so the Triton split-KV count is the one chosen
+tensors (see ``pagedmodel/kernels/attention_metadata.py``), so the Triton split-KV count is the one chosen
 for max-model-len contexts, whatever this step's longest context is, and stays exact.
 
 Padding rows (``b <= i < padded``): token 0 at position 0, slot ``-1`` (the cache-write kernels

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked linears (kernels/cpu_linear.py): same results as F.linear, used only where they apply."""
+"""oneDNN-prepacked linears (pagedmodel/kernels/cpu_linear.py): same results as F.linear, used only where they apply."""
 from __future__ import annotations
 
 import pytest

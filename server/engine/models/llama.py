@@ -18,7 +18,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def cpu_layer_ops(x: torch.Tensor):
-    """The fused C++ layer ops (``kernels/cpu_layer_ops.cpp``) where they apply to ``x``, else None."""
+    """The fused C++ layer ops (``pagedmodel/kernels/cpu_layer_ops.cpp``) where they apply to ``x``, else None."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     return cpu_paged_attention.layer_ops()
@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_packed_linears(self) -> int:
         """On CPU (float32, or bfloat16 where the CPU has native bf16): every projection and the head
-        through oneDNN-prepacked weights (``kernels/cpu_linear.py``); returns how many layers were
+        through oneDNN-prepacked weights (``pagedmodel/kernels/cpu_linear.py``); returns how many layers were
         packed (0: not applicable or off)."""
         tied_head = self.lm_head is None and cpu_linear.applies(self.embed_tokens.weight)
         packed = cpu_linear.pack_linears(self, extra_weights=(self.embed_tokens.weight,) if tied_head else ())

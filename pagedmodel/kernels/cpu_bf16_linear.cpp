@@ -7,9 +7,9 @@
 // or a mask) and multiplies in float32 with FMAs. A microbenchmark of a step's linears (30 layers +
 // head, one thread, weights streamed from DRAM): 8 rows 45 -> 25 ms, 16 rows 67 -> 41 ms against
 // oneDNN's bf16 GEMM. With more rows it is compute bound near 100 GFLOP/s, below oneDNN's float32
-// GEMM (115-140), so kernels/cpu_linear.py sends steps of 32 rows or more there.
+// GEMM (115-140), so pagedmodel/kernels/cpu_linear.py sends steps of 32 rows or more there.
 //
-// Weight layout (kernels/cpu_linear.py packs it): panels of 32 output columns; within a panel, for
+// Weight layout (pagedmodel/kernels/cpu_linear.py packs it): panels of 32 output columns; within a panel, for
 // each pair of input columns (k, k + 1), two blocks of 16 output columns, each 16 dwords whose low
 // half is W[n][k] and high half W[n][k + 1]. One 64-byte load then gives 16 columns for two k.
 // Shape [panels, K / 2, 64] (int16), zero-padded to whole panels and an even K.

@@ -7,7 +7,7 @@
 // the activation dtype before it is normalised, the normalised row is rounded before the weight's
 // multiply, SiLU is rounded before the multiply by up, and each rotary product is rounded before
 // the sum -- so bf16 results match the torch path's and float32 is the same computation.
-// Built into the CPU ops extension by kernels/cpu_paged_attention.py.
+// Built into the CPU ops extension by pagedmodel/kernels/cpu_paged_attention.py.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -4,7 +4,7 @@
 // matrix and a separate argmax reading it again (13-17 ms of a 64-row SmolLM2 step on one thread).
 //
 // Ties go to the lowest index, as torch.argmax does. Built with cpu_paged_attention.cpp into one
-// extension by kernels/cpu_paged_attention.py; registered as torch.ops.pagedmodel.logits_argmax_logsumexp.
+// extension by pagedmodel/kernels/cpu_paged_attention.py; registered as torch.ops.pagedmodel.logits_argmax_logsumexp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

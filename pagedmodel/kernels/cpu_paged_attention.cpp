@@ -14,7 +14,7 @@
 // cache in place and reduce 16 tokens' q.k sums at once (1.6x faster decode attention on SmolLM2's
 // shapes, bf16, one thread; PAGEDMODEL_CPU_ATTENTION_GENERIC=1 keeps the generic steps, for A/B runs).
 //
-// Built at run time by kernels/cpu_paged_attention.py (torch.utils.cpp_extension), registered as
+// Built at run time by pagedmodel/kernels/cpu_paged_attention.py (torch.utils.cpp_extension), registered as
 // torch.ops.pagedmodel.paged_rows_attention.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -17,7 +17,7 @@
 //   5. the draw: chunk sums of the kept terms in id order, then the first token whose running mass
 //      reaches (1 - u) * total (the same additions make the total, so the target is always reached).
 //
-// Built with the other CPU ops by kernels/cpu_paged_attention.py; registered as
+// Built with the other CPU ops by pagedmodel/kernels/cpu_paged_attention.py; registered as
 // torch.ops.pagedmodel.sample_from_logits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
