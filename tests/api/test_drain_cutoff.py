@@ -58,20 +58,30 @@ def test_started_responses_and_cancellations_outside_a_drain_get_nothing_more():
 @pytest.mark.slow
 def test_non_streamed_request_left_at_the_shutdown_timeout_is_refused_unserved(server_model_dir: Path,
                                                                               tmp_path: Path) -> None:
-    srv = ServerProcess(server_model_dir, tmp_path / "server.log", "--max-model-len", "512",
-                        "--kv-cache-memory", str(4 << 20), "--shutdown-timeout", "0.5").wait_ready()
+    # One sequence at a time and three 1,000-token requests: whatever the CPU's speed, the queued ones
+    # cannot all finish in the 0.5 s drain window (a lone 480-token request once did, and got a 200).
+    srv = ServerProcess(server_model_dir, tmp_path / "server.log", "--max-model-len", "1024",
+                        "--max-num-seqs", "1", "--kv-cache-memory", str(4 << 20),
+                        "--shutdown-timeout", "0.5").wait_ready()
     replies: list[httpx.Response] = []
-    body = {"prompt": "cutoff", "max_tokens": 480, "ignore_eos": True}
-    t = threading.Thread(target=lambda: replies.append(
-        httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)), daemon=True)
+    body = {"prompt": "cutoff", "max_tokens": 1000, "ignore_eos": True}
+    threads = [threading.Thread(target=lambda: replies.append(
+        httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)), daemon=True) for _ in range(3)]
     try:
-        t.start()
+        for t in threads:
+            t.start()
         assert wait_until(lambda: srv.metrics().get("vllm:num_requests_running", 0) >= 1, timeout=30)
+        assert wait_until(lambda: srv.metrics().get("vllm:num_requests_waiting", 0) >= 1, timeout=30)
         srv.proc.send_signal(signal.SIGTERM)
-        t.join(60)
+        for t in threads:
+            t.join(60)
         assert srv.proc.wait(30) == 0, srv.log()
     finally:
         srv.stop()
-    assert replies and replies[0].status_code == 503, (replies, srv.log()[-2000:])
-    assert replies[0].headers[UNSERVED_HEADER] == "shutting_down"
-    assert replies[0].json()["error"]["code"] == "shutting_down"
+    assert len(replies) == 3, srv.log()[-2000:]
+    unserved = [r for r in replies if r.status_code != 200]
+    assert unserved, (replies, srv.log()[-2000:])
+    for reply in unserved:
+        assert reply.status_code == 503, (reply, reply.text)
+        assert reply.headers[UNSERVED_HEADER] == "shutting_down"
+        assert reply.json()["error"]["code"] == "shutting_down"
