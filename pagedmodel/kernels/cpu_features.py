@@ -35,14 +35,3 @@ def has_native_bf16(flags: frozenset[str] | None = None, capability: str | None 
         return bool(NATIVE_BF16_FLAGS & flags)
     capability = (torch.backends.cpu.get_cpu_capability() if capability is None else capability).upper()
     return "AMX" in capability or "BF16" in capability
-
-
-def has_amx_bf16(flags: frozenset[str] | None = None, capability: str | None = None) -> bool:
-    """True where bf16 matmuls run on AMX tiles. AVX512-BF16 alone is a different case: on an Emerald
-    Rapids guest without AMX (2026-12-03) oneDNN's bf16 GEMM reached 75 GFLOP/s at 64 rows and its
-    float32 GEMM 110-147, so there the large bf16 GEMMs run in float32 (``cpu_linear``)."""
-    flags = cpu_flags() if flags is None else flags
-    if flags:
-        return "amx_bf16" in flags
-    capability = (torch.backends.cpu.get_cpu_capability() if capability is None else capability).upper()
-    return "AMX" in capability

@@ -12,21 +12,16 @@ prepacked oneDNN matmul handle per layer).
   layout is what AMX's tiles read, 1.3-1.8x faster than ``F.linear`` at 1-64 rows on every weight
   (a Sapphire-Rapids-class Xeon, one thread; the 49,152-wide head 16.4 -> 12.4 ms at one row, 21.6 ->
   12.5 ms at 64), so every step uses it.
-- bfloat16 on a CPU with AVX512-BF16 but no AMX: oneDNN's bf16 GEMM there is slower than its float32
-  one once a step has a few rows (an Emerald Rapids guest, one thread, 64 rows: 75 against 110-147
-  GFLOP/s). Each layer then also keeps a float32 packed copy of its weight, and steps of at least
-  ``FLOAT32_GEMM_MIN_ROWS`` rows cast their input to float32, multiply there and cast the output
-  back (the head keeps float32 logits, which the sampler wants anyway): 1.3-1.4x faster at 64 rows,
-  casts included. Below ``FLOAT32_GEMM_MIN_ROWS`` rows reading twice the weight bytes costs more
-  than it saves, so small steps read the bf16 weight: through our op (``cpu_bf16_linear.cpp``,
-  AVX-512) over a panel-packed copy, which widens the bf16 weights in registers and multiplies in
-  float32. Per decode step of SmolLM2-135M (one thread, the engine's own steps, 300-token contexts):
-  8 rows 92 -> 67 ms, 16 rows 125 -> 90 ms against oneDNN's bf16 GEMM. With more rows it is compute
-  bound at ~100 GFLOP/s, where oneDNN's float32 GEMM reaches 115-140 (weights in cache, from 24
-  rows); with the weights streamed from DRAM as in a real step the two tie around 32-48 rows, hence
-  the split. The copies cost 4 bytes a parameter, so ``pack_linears`` makes them only within
-  ``FLOAT32_COPY_BUDGET`` (the model's linears, all together); without the op (no compiler, no
-  AVX-512) small steps use oneDNN's bf16 GEMM over its own packed copy.
+- bfloat16 has three GEMMs, and which is fastest depends on the CPU more than on its flags, so
+  ``cpu_linear_plan.py`` measures them at load on one of the model's weight shapes and makes a
+  ``LinearPlan``: oneDNN's bf16 GEMM over its packed copy; a float32 packed copy of the weight
+  (steps of at least ``FLOAT32_GEMM_MIN_ROWS`` rows cast their input to float32, multiply there and
+  cast back; the head keeps float32 logits), which paid 1.3-1.4x at 64 rows on an Emerald Rapids
+  guest without AMX and costs 2x on an AMD EPYC with the same flags; and our op
+  (``cpu_bf16_linear.cpp``, AVX-512) over a panel-packed copy, which widens the bf16 weights in
+  registers and multiplies in float32: per decode step of SmolLM2-135M on the Emerald Rapids guest
+  (one thread, 300-token contexts) 8 rows 92 -> 67 ms and 16 rows 125 -> 90 ms against oneDNN's bf16
+  GEMM, while on the EPYC it wins only at one row. A layer keeps only the copies its plan uses.
 
 oneDNN builds (and caches) a primitive for every input shape it meets, about a megabyte each with
 its scratchpad: serving, where the rows of a step take every value from 1 to max-num-batched-tokens,
@@ -36,30 +31,31 @@ steps of an eighth of the power of two below; at most 12.5 % extra rows past 64)
 shapes to about 70 per weight.
 
 The reorder needs a CPU tensor and torch built with mkldnn; anything else keeps the plain layers.
-``PAGEDMODEL_CPU_LINEAR=packed|bf16|off`` (default ``packed`` where it applies): ``bf16`` packs with
-oneDNN's bf16 GEMM alone (no float32 copies, no panels), ``off`` keeps the plain layers.
+``PAGEDMODEL_CPU_LINEAR=packed|bf16|float32|off`` (default ``packed`` where it applies: bf16 GEMMs as
+measured): ``bf16`` packs with oneDNN's bf16 GEMM alone (no float32 copies, no panels), ``float32``
+takes the fixed split tuned on the Emerald Rapids guest without measuring, ``off`` keeps the plain layers.
 """
 from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_features, cpu_paged_attention
+from .cpu_linear_plan import LinearPlan, choose_plans
 
 log = logging.getLogger("pagedmodel.kernels.cpu_linear")
 
 LINEAR_ENV = "PAGEDMODEL_CPU_LINEAR"
-LINEAR_ENV_VALUES = ("packed", "bf16", "off")
+LINEAR_ENV_VALUES = ("packed", "bf16", "float32", "off")
 # below this many rows F.linear's unpacked GEMM is as fast or faster (measured at M = 1)
 MIN_ROWS = {torch.float32: 8, torch.bfloat16: 1}
-FLOAT32_GEMM_MIN_ROWS = 32          # bf16 weights without AMX: float32 GEMMs from this many rows
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})   # what cpu_bf16_linear.cpp vectorizes with
 PANEL = 32                          # output columns per panel (cpu_bf16_linear.cpp)
-FLOAT32_COPY_BUDGET = 4 << 30       # bytes of float32 weight copies a model may add
 
 
 def _choice(env: str | None = None) -> str:
@@ -73,14 +69,16 @@ def enabled(env: str | None = None) -> bool:
     return _choice(env) != "off"
 
 
-def float32_gemms(weights: list[torch.Tensor], amx: bool | None = None) -> bool:
-    """Whether these bf16 weights should get float32 copies for large steps: no AMX here, the env does not
-    say ``bf16``, and the copies fit ``FLOAT32_COPY_BUDGET``."""
-    if _choice() != "packed" or not weights or any(w.dtype != torch.bfloat16 for w in weights):
-        return False
-    if cpu_features.has_amx_bf16() if amx is None else amx:
-        return False
-    return sum(w.numel() for w in weights) * 4 <= FLOAT32_COPY_BUDGET
+def bf16_plans(weights: list[torch.Tensor]) -> dict[tuple[int, int], LinearPlan]:
+    """A ``LinearPlan`` for each shape of these weights: measured here for bf16 weights (``cpu_linear_plan.py``)
+    unless the env says ``bf16`` or ``float32``; none for float32 weights (``PackedLinear`` needs none)."""
+    weights = [w for w in weights if w.dtype == torch.bfloat16]
+    return choose_plans(weights, _choice(), cpu_paged_attention.bf16_linear() if bf16_panels() else None)
+
+
+class Packing(NamedTuple):
+    count: int                                  # layers replaced
+    plans: dict[tuple[int, int], LinearPlan]    # by bf16 weight shape, for layers packed later (a tied head)
 
 
 def bf16_panels(flags: frozenset[str] | None = None) -> bool:
@@ -126,23 +124,27 @@ def padded_rows(rows: int) -> int:
 
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` through a oneDNN-packed copy of ``weight`` for steps of at least
-    ``MIN_ROWS[dtype]`` rows; with ``float32_gemm`` (bf16 weights), through a float32 packed copy for
-    steps of at least ``FLOAT32_GEMM_MIN_ROWS`` and, where ``bf16_panels()``, through the panel op for
-    smaller ones. ``float_output``: those steps return float32 (the head)."""
+    ``MIN_ROWS[dtype]`` rows; bf16 weights follow ``plan``: the panel op for steps of up to
+    ``plan.panel_max_rows`` rows, a float32 packed copy from ``plan.float32_min_rows`` rows.
+    ``float_output``: those two paths return float32 (the head)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, float32_gemm: bool = False,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, plan: LinearPlan = LinearPlan(),
                  float_output: bool = False):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
+        bf16 = self.weight.dtype == torch.bfloat16
+        self.plan = plan if bf16 else LinearPlan()
+        self._panel_op = cpu_paged_attention.bf16_linear() if self.plan.panel_max_rows else None
+        if self.plan.panel_max_rows and self._panel_op is None:
+            raise RuntimeError("a plan with the panel op, but the CPU ops extension is not loaded")
         reorder = torch.ops.mkldnn._reorder_linear_weight
-        use32 = float32_gemm and self.weight.dtype == torch.bfloat16
-        self._panel_op = cpu_paged_attention.bf16_linear() if use32 and bf16_panels() else None
+        float32_copy = self.plan.float32_min_rows is not None
         with torch.no_grad():
             self.panels = pack_panels(self.weight.detach()) if self._panel_op is not None else None
-            self.packed = reorder(self.weight.detach(), None) if self.panels is None else None
-            self.packed32 = reorder(self.weight.detach().float(), None) if use32 else None
-            self.bias32 = bias.detach().float() if use32 and bias is not None else None
+            self.packed = reorder(self.weight.detach(), None) if self.plan.needs_bf16_pack() else None
+            self.packed32 = reorder(self.weight.detach().float(), None) if float32_copy else None
+            self.bias32 = bias.detach().float() if bf16 and bias is not None else None
         self.min_rows = MIN_ROWS[self.weight.dtype]
         self.float_output = float_output
 
@@ -151,12 +153,14 @@ class PackedLinear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():   # a compiled forward: inductor packs the weight itself
+            return F.linear(x, self.weight, self.bias)
         rows = x.shape[0] if x.dim() == 2 else 0
         if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        wide = self.packed32 is not None and rows >= FLOAT32_GEMM_MIN_ROWS
-        if not wide and self.panels is not None:   # no oneDNN primitive per shape: no padding either
+        if rows <= self.plan.panel_max_rows:   # no oneDNN primitive per shape: no padding either
             return self._panel_op(x, self.panels, self.out_features, self.bias32, self.float_output)
+        wide = self.packed32 is not None and rows >= self.plan.float32_min_rows
         padded = padded_rows(rows)
         if padded != rows:   # the extra rows' outputs are computed and dropped
             buf = x.new_zeros(padded, x.shape[1], dtype=torch.float32 if wide else x.dtype)
@@ -173,18 +177,17 @@ class PackedLinear(nn.Module):
         return y if padded == rows else y[:rows]
 
 
-def pack_linears(model: nn.Module, extra_weights: tuple[torch.Tensor, ...] = ()) -> int:
+def pack_linears(model: nn.Module, extra_weights: tuple[torch.Tensor, ...] = ()) -> Packing:
     """Replaces every CPU ``nn.Linear`` that ``applies`` in ``model`` by a ``PackedLinear`` sharing its parameters;
-    returns how many were replaced (0 when turned off or not applicable)."""
+    plans ``extra_weights`` too (and counts them in the float32 copies' budget) for the caller to pack."""
     if not enabled():
-        return 0
+        return Packing(0, {})
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear and applies(mod.weight)]
-    wide = float32_gemms([mod.weight for _, mod in targets] + list(extra_weights))
+    plans = bf16_plans([mod.weight for _, mod in targets] + list(extra_weights)) if targets else {}
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(mod.weight, mod.bias, float32_gemm=wide))
+        setattr(parent, attr, PackedLinear(mod.weight, mod.bias, plan=plans.get(tuple(mod.weight.shape), LinearPlan())))
     if targets:
-        log.info("%d linear layers use oneDNN-prepacked weights%s (%s=off turns it off)", len(targets),
-                 f", float32 GEMMs from {FLOAT32_GEMM_MIN_ROWS} rows" if wide else "", LINEAR_ENV)
-    return len(targets)
+        log.info("%d linear layers use oneDNN-prepacked weights (%s=off turns it off)", len(targets), LINEAR_ENV)
+    return Packing(len(targets), plans)

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedmodel.kernels import cpu_features, cpu_linear, cpu_paged_attention
+from pagedmodel.kernels import cpu_linear, cpu_linear_plan, cpu_paged_attention
 from pagedmodel.kernels.cpu_linear import PackedLinear, pack_linears
+from pagedmodel.kernels.cpu_linear_plan import FIXED_FLOAT32_SPLIT, FLOAT32_GEMM_MIN_ROWS, LinearPlan
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
 
@@ -65,30 +66,44 @@ def test_bf16_packed_matches_f_linear_from_one_row(rows, monkeypatch):
     torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
 
 
+PLANS = {"split": FIXED_FLOAT32_SPLIT, "panel_1": LinearPlan(panel_max_rows=1),
+         "bf16": LinearPlan(), "bf16_then_f32": LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS)}
+
+
+def _path_for(plan: LinearPlan, rows: int) -> str:
+    if rows <= plan.panel_max_rows:
+        return "panel"
+    return "float32" if plan.float32_min_rows is not None and rows >= plan.float32_min_rows else "bf16"
+
+
 @bf16_packs
-@pytest.mark.parametrize("rows", [1, cpu_linear.FLOAT32_GEMM_MIN_ROWS - 1, cpu_linear.FLOAT32_GEMM_MIN_ROWS, 64, 77])
+@pytest.mark.parametrize("rows", [1, 2, FLOAT32_GEMM_MIN_ROWS - 1, FLOAT32_GEMM_MIN_ROWS, 64, 77])
 @pytest.mark.parametrize("float_output", [False, True])
-@pytest.mark.parametrize("panels", [False, True])
-def test_bf16_weights_multiply_in_float32_from_min_rows(rows, float_output, panels, monkeypatch):
-    """Without AMX, large steps multiply a float32 copy of the bf16 weight: the product of the bf16
-    values, exact to float32 (the bias too), returned as bf16 or, for the head, float32. Small steps
-    go through the panel op where it applies (float32 arithmetic too), else oneDNN's bf16 GEMM."""
-    monkeypatch.setattr(cpu_linear, "bf16_panels", lambda: panels)
-    weights = []
+@pytest.mark.parametrize("plan_name", sorted(PLANS))
+def test_bf16_layers_follow_their_plan(rows, float_output, plan_name, monkeypatch):
+    """Each step size takes its plan's GEMM. The panel op and the float32 copy multiply the bf16 values in
+    float32 (the bias too), returned as bf16 or, for the head, float32; oneDNN's bf16 GEMM returns bf16.
+    A layer keeps only the copies its plan uses."""
+    plan = PLANS[plan_name]
+    if plan.panel_max_rows and cpu_paged_attention.bf16_linear() is None:
+        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+    onednn = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
-                        lambda x, w, *a: weights.append(x.dtype) or real(x, w, *a))
+                        lambda x, w, *a: onednn.append(x.dtype) or real(x, w, *a))
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16()
     x = torch.randn(rows, 64, generator=g).bfloat16()
     with torch.inference_mode():
-        layer = PackedLinear(w, b, float32_gemm=True, float_output=float_output)
+        layer = PackedLinear(w, b, plan=plan, float_output=float_output)
         got = layer(x)
-    wide = rows >= cpu_linear.FLOAT32_GEMM_MIN_ROWS
-    assert (layer.panels is not None) == panels and (layer.packed is None) == panels
-    assert weights == ([torch.float32] if wide else [] if panels else [torch.bfloat16])
-    float32_arithmetic = wide or panels
+    assert (layer.panels is not None) == (plan.panel_max_rows > 0)
+    assert (layer.packed32 is not None) == (plan.float32_min_rows is not None)
+    assert (layer.packed is None) == (plan_name == "split")   # the split leaves no rows to the bf16 GEMM
+    path = _path_for(plan, rows)
+    assert onednn == {"panel": [], "float32": [torch.float32], "bf16": [torch.bfloat16]}[path]
+    float32_arithmetic = path != "bf16"
     assert got.shape == (rows, 96)
     assert got.dtype == (torch.float32 if float32_arithmetic and float_output else torch.bfloat16)
     exact = F.linear(x.float(), w.float(), b.float())
@@ -141,19 +156,67 @@ def test_panels_need_avx512_and_the_op():
     assert cpu_linear.bf16_panels(frozenset(cpu_linear.AVX512_FLAGS)) == (cpu_paged_attention.bf16_linear() is not None)
 
 
-def test_float32_copies_only_without_amx_within_budget_and_not_when_told_bf16(monkeypatch):
-    small = [torch.zeros(8, 8, dtype=torch.bfloat16)]
-    assert cpu_linear.float32_gemms(small, amx=False)
-    assert not cpu_linear.float32_gemms(small, amx=True)                     # AMX: bf16 is the fast GEMM
-    assert not cpu_linear.float32_gemms([torch.zeros(8, 8)], amx=False)      # float32 weights need none
-    assert not cpu_linear.float32_gemms([], amx=False)
-    monkeypatch.setattr(cpu_linear, "FLOAT32_COPY_BUDGET", 8 * 8 * 4 - 1)
-    assert not cpu_linear.float32_gemms(small, amx=False)                    # over the memory budget
-    monkeypatch.setattr(cpu_linear, "FLOAT32_COPY_BUDGET", 8 * 8 * 4)
-    assert cpu_linear.float32_gemms(small, amx=False)
-    monkeypatch.setenv(cpu_linear.LINEAR_ENV, "bf16")
-    assert not cpu_linear.float32_gemms(small, amx=False) and cpu_linear.enabled()
-    assert not cpu_features.has_amx_bf16(frozenset({"avx512_bf16"})) and cpu_features.has_amx_bf16(frozenset({"amx_bf16"}))
+def _timings(bf16: dict, float32: dict, panel: dict) -> cpu_linear_plan.Timings:
+    return {"bf16": bf16, "float32": float32, "panel": panel}
+
+
+ROWS = (1, 2, 4, 8, 16, 64)
+
+
+def test_the_plan_follows_the_measured_gemms():
+    # ms a call, shaped like the two CPUs the module docstring describes
+    epyc = _timings(dict(zip(ROWS, (0.12, 0.13, 0.13, 0.21, 0.35, 1.15))),
+                    dict(zip(ROWS, (0.21, 0.22, 0.24, 0.40, 0.56, 2.63))),
+                    dict(zip(ROWS[:5], (0.09, 0.12, 0.22, 0.40, 0.74))))
+    assert cpu_linear_plan.plan_from(epyc) == LinearPlan(panel_max_rows=2)
+    emerald = _timings(dict(zip(ROWS, (0.30, 0.31, 0.33, 0.40, 0.60, 2.00))),
+                       dict(zip(ROWS, (0.40, 0.41, 0.42, 0.50, 0.70, 1.40))),
+                       dict(zip(ROWS[:5], (0.10, 0.12, 0.15, 0.25, 0.50))))
+    assert cpu_linear_plan.plan_from(emerald) == FIXED_FLOAT32_SPLIT
+    emerald["panel"][8] = 0.45   # the panel op loses at 8 rows: it serves 1-4, oneDNN's bf16 GEMM 5-31
+    assert cpu_linear_plan.plan_from(emerald) == LinearPlan(panel_max_rows=4, float32_min_rows=FLOAT32_GEMM_MIN_ROWS)
+    del emerald["panel"]   # no panel op here
+    assert cpu_linear_plan.plan_from(emerald) == LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS)
+    close = dict(epyc, float32={64: 1.15 * 0.9})   # a 10 % win is not worth 4 bytes a parameter
+    assert cpu_linear_plan.plan_from(close).float32_min_rows is None
+
+
+def test_plans_say_what_they_use():
+    assert FIXED_FLOAT32_SPLIT.describe() == "panel op for 1-31 rows, float32 GEMMs from 32 rows"
+    assert LinearPlan(panel_max_rows=1).describe() == "panel op for 1-1 rows, oneDNN bf16 GEMM for the rest"
+    assert LinearPlan().describe() == "oneDNN bf16 GEMM"
+
+
+@bf16_packs
+def test_measuring_times_every_candidate_and_plans_each_shape(caplog):
+    op = cpu_paged_attention.bf16_linear()
+    timings = cpu_linear_plan.measure(96, 64, op, rows_list=(1, 4, 64))
+    assert set(timings["bf16"]) == {1, 4, 64} and set(timings["float32"]) == {64}
+    assert set(timings["panel"]) == ({1, 4} if op is not None else set())
+    assert all(t > 0 for by_rows in timings.values() for t in by_rows.values())
+    weights = [torch.zeros(96, 64, dtype=torch.bfloat16)] * 2 + [torch.zeros(500, 64, dtype=torch.bfloat16)]
+    with caplog.at_level("INFO", logger="pagedmodel.kernels.cpu_linear"):
+        plans = cpu_linear_plan.choose_plans(weights, "packed", op)
+    assert set(plans) == {(96, 64), (500, 64)}   # each shape once
+    for (n, k), plan in plans.items():
+        assert f"bf16 {n}x{k} linears" in caplog.text and plan.describe() in caplog.text
+
+
+def test_the_env_skips_the_measurement_and_the_budget_bounds_float32_copies(monkeypatch):
+    monkeypatch.setattr(cpu_linear_plan, "measure", lambda *a, **k: pytest.fail("measured"))
+    small, op = [torch.zeros(8, 8, dtype=torch.bfloat16)], object()
+    choose = cpu_linear_plan.choose_plans
+    assert choose(small, "bf16", op) == {(8, 8): LinearPlan()}
+    assert choose(small, "float32", op) == {(8, 8): FIXED_FLOAT32_SPLIT}
+    assert choose(small, "float32", None) == {(8, 8): LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS)}
+    monkeypatch.setattr(cpu_linear_plan, "FLOAT32_COPY_BUDGET", 8 * 8 * 4 - 1)
+    assert choose(small, "float32", op) == {(8, 8): LinearPlan()}   # over the memory budget
+    wins = _timings({1: 1.0, 64: 2.0}, {64: 1.0}, {})
+    monkeypatch.setattr(cpu_linear_plan, "measure", lambda *a, **k: wins)
+    assert choose(small, "packed", None) == {(8, 8): LinearPlan()}   # float32 wins, but over budget
+    monkeypatch.setattr(cpu_linear_plan, "FLOAT32_COPY_BUDGET", 8 * 8 * 4)
+    assert choose(small, "packed", None) == {(8, 8): LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS)}
+    assert cpu_linear.bf16_plans([torch.zeros(8, 8)]) == {}   # float32 weights need none
 
 
 def test_bf16_is_packed_only_with_native_bf16():
@@ -173,7 +236,7 @@ def test_pack_linears_replaces_fp32_layers_and_keeps_their_parameters():
     before = dict(net.named_parameters())
     x = torch.randn(32, 8)
     expected = net(x)
-    assert pack_linears(net) == 2
+    assert pack_linears(net).count == 2
     assert isinstance(net[0], PackedLinear) and isinstance(net[2][0], PackedLinear)
     assert {k: v.data_ptr() for k, v in net.named_parameters()} == {k: v.data_ptr() for k, v in before.items()}
     with torch.inference_mode():
@@ -182,10 +245,10 @@ def test_pack_linears_replaces_fp32_layers_and_keeps_their_parameters():
 
 def test_pack_linears_leaves_bf16_layers_without_native_bf16_and_honours_off(monkeypatch):
     monkeypatch.setattr(cpu_linear.cpu_features, "has_native_bf16", lambda: False)
-    assert pack_linears(_net(torch.bfloat16)) == 0
+    assert pack_linears(_net(torch.bfloat16)).count == 0
     monkeypatch.setenv(cpu_linear.LINEAR_ENV, "off")
     net = _net()
-    assert pack_linears(net) == 0 and type(net[0]) is nn.Linear
+    assert pack_linears(net).count == 0 and type(net[0]) is nn.Linear
 
 
 def test_a_bad_env_value_is_a_clear_error(monkeypatch):
@@ -214,10 +277,10 @@ def test_engine_tokens_are_the_same_packed_or_not(tiny_llama_dir, monkeypatch):
 
 
 @bf16_packs
-def test_a_bf16_engine_without_amx_packs_float32_copies_and_keeps_float32_logits(tiny_llama_dir, monkeypatch):
+def test_a_bf16_engine_told_float32_packs_float32_copies_and_keeps_float32_logits(tiny_llama_dir, monkeypatch):
     from pagedmodel import LLM, SamplingParams
 
-    monkeypatch.setattr(cpu_linear.cpu_features, "has_amx_bf16", lambda: False)
+    monkeypatch.setenv(cpu_linear.LINEAR_ENV, "float32")
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="bfloat16", max_model_len=256)
     model = llm.engine.runner.model
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]

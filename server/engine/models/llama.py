@@ -208,12 +208,11 @@ class LlamaForCausalLM(nn.Module):
         through oneDNN-prepacked weights (``pagedmodel/kernels/cpu_linear.py``); returns how many layers were
         packed (0: not applicable or off)."""
         tied_head = self.lm_head is None and cpu_linear.applies(self.embed_tokens.weight)
-        packed = cpu_linear.pack_linears(self, extra_weights=(self.embed_tokens.weight,) if tied_head else ())
-        float32_gemm = any(m.packed32 is not None for m in self.modules() if isinstance(m, cpu_linear.PackedLinear))
+        packed, plans = cpu_linear.pack_linears(self, extra_weights=(self.embed_tokens.weight,) if tied_head else ())
         if isinstance(self.lm_head, cpu_linear.PackedLinear):
             self.lm_head.float_output = True   # float32 logits straight from a float32 GEMM
         if packed and tied_head:
-            self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight, float32_gemm=float32_gemm,
-                                                       float_output=True)
+            plan = plans.get(tuple(self.embed_tokens.weight.shape), cpu_linear.LinearPlan())
+            self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight, plan=plan, float_output=True)
             packed += 1
         return packed

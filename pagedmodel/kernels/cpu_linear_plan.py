@@ -1,0 +1,141 @@
+"""Which GEMM a bf16 linear layer uses for a step of a given number of rows, chosen by measuring this CPU.
+
+Why measure: the fastest of the three bf16 paths differs by CPU far more than any flag tells. On an
+Emerald Rapids guest (AVX512-BF16, no AMX) oneDNN's bf16 GEMM ran at 75 GFLOP/s against 110-147 for
+its float32 GEMM over a float32 copy of the weight, and our panel op (``cpu_bf16_linear.cpp``) beat
+oneDNN's bf16 GEMM up to 31 rows. On an AMD EPYC with the same flags oneDNN's bf16 GEMM is twice as
+fast as the float32 copy at every row count and beats the panel op from 4 rows on; only at one row
+does the panel op win (1.4-1.8x). A rule tuned on one machine cost the other up to 2x on every linear.
+
+So ``choose_plans`` times the three candidates on each of the model's weight shapes at a few row
+counts (about a second at load for SmolLM2's five shapes, most of it the 49,152-wide head) and
+``plan_from`` turns the timings into a ``LinearPlan``; the timings and the plans are logged. Shapes
+differ: SmolLM2's head, bound by reading its 57 MB of weights at one row, runs 1.8x faster through the
+panel op there, where the 3072x576 gate/up barely notices.
+
+``PAGEDMODEL_CPU_LINEAR`` overrides: ``bf16`` (oneDNN's bf16 GEMM alone), ``float32`` (the fixed split
+tuned on the Emerald Rapids guest: the panel op below ``FLOAT32_GEMM_MIN_ROWS`` rows, float32 copies
+from there).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("pagedmodel.kernels.cpu_linear")
+
+FLOAT32_GEMM_MIN_ROWS = 32          # float32 copies, where they pay, serve steps of at least this many rows
+FLOAT32_COPY_BUDGET = 4 << 30       # bytes of float32 weight copies a model may add
+MEASURED_ROWS = (1, 2, 4, 8, 16, 64)
+PANEL_ROWS_LIMIT = 16               # the panel op is measured (and used) up to here, or up to the float32 split
+FLOAT32_MARGIN = 0.85               # float32 copies cost 4 bytes a parameter: take them only for a clear win
+MIN_TIMED_SECONDS = 2e-3            # each measurement repeats a call for at least this long
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The GEMM for each step size of a bf16 ``PackedLinear``; the rows no rule claims use oneDNN's bf16 GEMM."""
+    panel_max_rows: int = 0                 # steps of 1..panel_max_rows rows: the panel op (0: never)
+    float32_min_rows: int | None = None     # steps of at least this many rows: a float32 copy (None: never)
+
+    def needs_bf16_pack(self) -> bool:
+        """Whether some row count is left to oneDNN's bf16 GEMM (else its packed copy is not made)."""
+        return self.float32_min_rows is None or self.panel_max_rows < self.float32_min_rows - 1
+
+    def describe(self) -> str:
+        parts = [f"panel op for 1-{self.panel_max_rows} rows"] if self.panel_max_rows else []
+        if self.needs_bf16_pack():
+            parts.append("oneDNN bf16 GEMM" + (" for the rest" if parts else ""))
+        if self.float32_min_rows is not None:
+            parts.append(f"float32 GEMMs from {self.float32_min_rows} rows")
+        return ", ".join(parts)
+
+
+FIXED_FLOAT32_SPLIT = LinearPlan(panel_max_rows=FLOAT32_GEMM_MIN_ROWS - 1, float32_min_rows=FLOAT32_GEMM_MIN_ROWS)
+
+Timings = dict[str, dict[int, float]]   # candidate ("bf16", "float32", "panel") -> rows -> seconds a call
+
+
+def plan_from(timings: Timings) -> LinearPlan:
+    """The plan these timings call for: float32 copies from ``FLOAT32_GEMM_MIN_ROWS`` rows if they beat the
+    bf16 GEMM clearly at the largest measured step; the panel op for the smallest steps while it beats the
+    bf16 GEMM at each measured row count (and right up to the float32 split if it wins up to its limit)."""
+    bf16, float32, panel = timings["bf16"], timings.get("float32", {}), timings.get("panel", {})
+    largest = max(bf16)
+    use_float32 = largest in float32 and float32[largest] < FLOAT32_MARGIN * bf16[largest]
+    panel_max = 0
+    for rows in sorted(r for r in bf16 if r <= PANEL_ROWS_LIMIT):
+        if rows not in panel or panel[rows] >= bf16[rows]:
+            break
+        panel_max = rows
+    if use_float32 and panel_max == PANEL_ROWS_LIMIT:
+        panel_max = FLOAT32_GEMM_MIN_ROWS - 1   # no bf16 copy just for the rows between the two
+    return LinearPlan(panel_max_rows=panel_max, float32_min_rows=FLOAT32_GEMM_MIN_ROWS if use_float32 else None)
+
+
+def _seconds_per_call(fn: Callable[[], object]) -> float:
+    fn()   # oneDNN builds its primitive for the shape on the first call
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < MIN_TIMED_SECONDS or calls < 3:
+        fn()
+        calls += 1
+    best = (time.perf_counter() - start) / calls
+    for _ in range(2):   # best of three rounds: the plan should not follow a neighbour's burst
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure(out_features: int, in_features: int, panel_op: Callable | None,
+            rows_list: tuple[int, ...] = MEASURED_ROWS) -> Timings:
+    """Seconds a call of each candidate GEMM takes here on a random bf16 [out_features, in_features] weight."""
+    from .cpu_linear import pack_panels   # the layout lives with the layer that uses it
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    reorder, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
+    with torch.inference_mode():
+        packed, packed32 = reorder(weight, None), reorder(weight.float(), None)
+        panels = pack_panels(weight) if panel_op is not None else None
+        timings: Timings = {"bf16": {}, "float32": {}, "panel": {}}
+        for rows in rows_list:
+            x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
+            timings["bf16"][rows] = _seconds_per_call(lambda: linear(x, packed, None, "none", [], ""))
+            if rows == max(rows_list):   # the plan weighs the float32 copy at the largest step only
+                timings["float32"][rows] = _seconds_per_call(
+                    lambda: linear(x.float(), packed32, None, "none", [], "").to(torch.bfloat16))
+            if panels is not None and rows <= PANEL_ROWS_LIMIT:
+                timings["panel"][rows] = _seconds_per_call(lambda: panel_op(x, panels, out_features, None, False))
+    return timings
+
+
+def choose_plans(weights: list[torch.Tensor], choice: str,
+                 panel_op: Callable | None) -> dict[tuple[int, int], LinearPlan]:
+    """A plan for each shape of these bf16 weights under ``PAGEDMODEL_CPU_LINEAR=choice`` (``packed``: each
+    shape measured here, once: a decoder layer's projections and the wide head differ)."""
+    shapes = sorted({tuple(w.shape) for w in weights})
+    fits = sum(w.numel() for w in weights) * 4 <= FLOAT32_COPY_BUDGET
+    if choice == "bf16" or not weights:
+        return {shape: LinearPlan() for shape in shapes}
+    if choice == "float32":
+        if not fits:
+            log.warning("float32 copies of the linears would pass %d GiB: oneDNN's bf16 GEMM alone",
+                        FLOAT32_COPY_BUDGET >> 30)
+        plan = (LinearPlan() if not fits else FIXED_FLOAT32_SPLIT if panel_op is not None
+                else LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS))
+        return {shape: plan for shape in shapes}
+    plans = {}
+    for out_features, in_features in shapes:
+        timings = measure(out_features, in_features, panel_op)
+        plans[out_features, in_features] = plan = plan_from(
+            timings if fits else {k: v for k, v in timings.items() if k != "float32"})
+        log.info("bf16 %dx%d linears (ms a call by rows): %s -> %s", out_features, in_features,
+                 "; ".join(f"{name} " + " ".join(f"{r}:{t * 1e3:.3f}" for r, t in by_rows.items())
+                           for name, by_rows in timings.items() if by_rows), plan.describe())
+    return plans
