@@ -84,11 +84,32 @@ def describe(reqs: list[Req]) -> str:
 
 # ------------------------------------------------------------------ offline engines
 
-def run_ours(model_dir: str, reqs: list[Req], args, prefix_caching: bool) -> dict:
-    from pagedmodel import LLM, SamplingParams
+OURS_VARIANTS = {   # engine choice -> (--torch-compile, PAGEDMODEL_CPU_LINEAR)
+    "ours": (False, None),
+    "ours_compiled": (True, None),                # its compile, at start-up, is not timed
+    "ours_float32_split": (False, "float32"),     # the bf16 linears' fixed split instead of the measured plan
+}
 
+
+def run_ours(model_dir: str, reqs: list[Req], args, prefix_caching: bool, variant: str = "ours") -> dict:
+    from pagedmodel import LLM, SamplingParams
+    from pagedmodel.kernels import cpu_linear
+
+    torch_compile, linear_choice = OURS_VARIANTS[variant]
+    saved = os.environ.pop(cpu_linear.LINEAR_ENV, None)
+    if linear_choice:
+        os.environ[cpu_linear.LINEAR_ENV] = linear_choice   # read once, when the engine packs its linears
+    start = time.perf_counter()
     llm = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048,
-              enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager, kv_cache_memory=KV_CACHE_BYTES)
+              enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager, kv_cache_memory=KV_CACHE_BYTES,
+              torch_compile=torch_compile)
+    os.environ.pop(cpu_linear.LINEAR_ENV, None)
+    if saved is not None:
+        os.environ[cpu_linear.LINEAR_ENV] = saved
+    if torch_compile:
+        runner = llm.engine.runner
+        print(f"  ours_compiled: start-up {time.perf_counter() - start:.0f} s, compile "
+              f"{runner.compiled.compile_seconds if runner.compiled else 0:.0f} s, error {runner.compile_error}", flush=True)
     llm.generate([r.prompt_ids for r in reqs[:2]], SamplingParams(temperature=0, max_tokens=4))   # warm-up
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=r.ignore_eos) for r in reqs]
     start = time.perf_counter()
@@ -310,8 +331,10 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="*", default=["uniform", "mixed", "shared"],
                     help="offline workloads to run (none: e.g. only --step-overhead)")
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--engines", nargs="+", default=["ours", "hf_static", "vllm"], choices=["ours", "hf_static", "vllm"],
-                    help="which to run (vllm also needs --vllm-venv)")
+    ap.add_argument("--engines", nargs="+", default=["ours", "hf_static", "vllm"],
+                    choices=[*OURS_VARIANTS, "hf_static", "vllm"],
+                    help="which to run offline (vllm also needs --vllm-venv; ours_compiled is ours with --torch-compile, "
+                         "ours_float32_split ours with PAGEDMODEL_CPU_LINEAR=float32)")
     ap.add_argument("--enforce-eager", action="store_true", help="for both engines")
     ap.add_argument("--step-overhead", nargs="*", choices=list(OVERHEAD_SAMPLING), default=None,
                     help="also time our per-step host overhead, for these sampling kinds (none named: all)")
@@ -340,8 +363,8 @@ def main() -> None:
         print(f"{name}: {describe(reqs)}", flush=True)
         row = {}
         for engine in args.engines:
-            if engine == "ours":
-                row[engine] = run_ours(model_dir, reqs, args, prefix_caching=name == "shared")
+            if engine in OURS_VARIANTS:
+                row[engine] = run_ours(model_dir, reqs, args, prefix_caching=name == "shared", variant=engine)
             elif engine == "hf_static":
                 row[engine] = run_hf_static(model_dir, reqs, args)
             elif args.vllm_venv:
@@ -349,7 +372,7 @@ def main() -> None:
             else:
                 continue
             report_engine(engine, row[engine])
-        for engine in ("hf_static", "vllm"):
+        for engine in (*list(OURS_VARIANTS)[1:], "hf_static", "vllm"):
             if "tok_s" in row.get(engine, {}) and "tok_s" in row.get("ours", {}):
                 print(f"  ours / {engine}: {row['ours']['tok_s'] / row[engine]['tok_s']:.2f}x", flush=True)
         results["offline"][name] = row

@@ -31,6 +31,7 @@ class EngineArgs:
     device: str = "auto"
     seed: int = 0
     enforce_eager: bool = False
+    torch_compile: bool = False                 # the forward through torch.compile (inductor); --enforce-eager wins
     max_queue_len: int | None = None            # waiting requests beyond this are refused (HTTP 503)
     enable_lora: bool = False
     max_loras: int = 1                          # adapters resident (batched together) at once
@@ -96,6 +97,10 @@ class EngineArgs:
         a("--enforce-eager", action="store_true",
           help="run every step eagerly, capturing no CUDA graphs (by default, on CUDA with the Triton backend, "
                "decode steps of up to min(max-num-seqs, 512) sequences replay graphs captured at start-up)")
+        a("--torch-compile", action="store_true",
+          help="compile the model's forward with torch.compile (inductor, weights frozen) at start-up; off by "
+               "default: the compile takes 1-3 minutes and on CPU it did not beat the eager path (docs/engine.md); "
+               "a failed compile logs and serves eagerly; --enforce-eager wins")
         a("--max-queue-len", type=int, default=None, help="waiting requests beyond this get HTTP 503")
         a("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
         a("--max-loras", type=int, default=d["max_loras"].default, help="LoRA adapters resident (batched) at once")

@@ -61,7 +61,7 @@ class LLMEngine:
         self.lora_registry = self._start_lora(args, mc, worker) if args.enable_lora else None
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.device,
                                   max_model_len=self.max_model_len, max_num_seqs=args.max_num_seqs,
-                                  enforce_eager=args.enforce_eager,
+                                  enforce_eager=args.enforce_eager, torch_compile=args.torch_compile,
                                   lora=LoRAState(self.model, args.max_loras) if args.enable_lora else None)
         self.kv_events = self.scheduler.block_manager.kv_events   # None without prefix caching
         self.sampler = Sampler(self.device, self.eos_token_ids)

@@ -17,6 +17,7 @@ import torch
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import AttentionBackend
 
+from .compiled_forward import CompiledForward
 from .cuda_graph_runner import CUDAGraphRunner, GraphBackend, capture_sizes, select_graph_backend
 from .kv_cache import KVCache
 from .lora.layers import LoRABatch, LoRAState
@@ -38,13 +39,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend, device: torch.device, *, max_model_len: int | None = None,
                  max_num_seqs: int = 256, enforce_eager: bool = False,
                  graph_backend: GraphBackend | None | Literal["auto"] = "auto",
-                 graph_sizes: Sequence[int] | None = None, lora: LoRAState | None = None):
+                 graph_sizes: Sequence[int] | None = None, lora: LoRAState | None = None,
+                 torch_compile: bool = False):
         """``graph_backend``: ``"auto"`` lets ``select_graph_backend`` decide (device, attention
         backend, ``enforce_eager``, ``PAGEDMODEL_CUDA_GRAPHS``); tests may force one (e.g.
         ``EmulatedGraphBackend()`` on CPU) or ``None``; ``enforce_eager`` wins either way.
         ``graph_sizes`` replaces the batch-size ladder. Graphs are captured here, once, so the KV
         cache must already be allocated. ``lora``: the model's LoRA wrappers (``--enable-lora``); steps with
-        adapter rows run eagerly."""
+        adapter rows run eagerly. ``torch_compile``: the forward through one inductor graph
+        (``compiled_forward.py``), compiled here; ``enforce_eager`` wins, and a failed compile leaves
+        every step eager."""
         self.model = model
         self.lora = lora
         self.kv_cache = kv_cache
@@ -73,6 +77,26 @@ class ModelRunner:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                     torch.cuda.empty_cache()     # give the half-captured graphs' pool back to the KV-less heap
+        self.compiled: CompiledForward | None = None
+        self.compile_error: str | None = None
+        if torch_compile and not enforce_eager:
+            self.compiled = self._compile()
+
+    def _compile(self) -> CompiledForward | None:
+        compiled = CompiledForward(self.model)
+        try:
+            compiled.warm_up(self.kv_cache.layers, self.backend, self.device, self.kv_cache.block_size)
+        except Exception as exc:   # an optimisation: a compile failure must not stop serving
+            self._compile_failed(exc)
+            return None
+        logger.info("forward compiled with torch.compile in %.0f s", compiled.compile_seconds)
+        return compiled
+
+    def _compile_failed(self, exc: Exception) -> None:
+        self.compiled = None
+        self.compile_error = f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+        logger.error("torch.compile of the forward failed (%s); every step runs eagerly", self.compile_error,
+                     exc_info=True)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int],
                                                        list[tuple[ScheduledSequence, int, int]]]:
@@ -123,7 +147,7 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.batch = lora_batch
             try:
-                hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+                hidden = self._forward(input_ids, positions, meta, compiled=lora_batch is None)
             finally:
                 if self.lora is not None:
                     self.lora.batch = None
@@ -136,6 +160,15 @@ class ModelRunner:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
             out.logits = self.model.compute_logits(hidden[rows])
         return out
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,
+                 compiled: bool) -> torch.Tensor:
+        if compiled and self.compiled is not None:
+            try:
+                return self.compiled(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+            except Exception as exc:   # e.g. a recompile for a new shape failed: this step and the rest eagerly
+                self._compile_failed(exc)   # (the layers it ran rewrite the same cache slots with the same K/V)
+        return self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
 
     def _lora_batch(self, sched: SchedulerOutput) -> LoRABatch | None:
         """Loads the adapters the scheduler placed in slots this step, and groups the step's token rows

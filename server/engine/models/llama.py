@@ -13,6 +13,7 @@ from torch import nn
 from pagedmodel.kernels import cpu_linear, cpu_paged_attention
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import AttentionBackend
+from pagedmodel.kernels.forward_attention import forward_attention
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -20,6 +21,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 def cpu_layer_ops(x: torch.Tensor):
     """The fused C++ layer ops (``pagedmodel/kernels/cpu_layer_ops.cpp``) where they apply to ``x``, else None."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if torch.compiler.is_compiling():   # a compiled forward: inductor fuses the torch path itself
         return None
     return cpu_paged_attention.layer_ops()
 
@@ -128,8 +131,11 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = backend.paged_attention(q, kv_cache, meta, self.scale)
+        if meta is None:   # the compiled forward: one opaque op reads the step (compiled_forward.py)
+            out = forward_attention(q, k, v, self.layer_idx, self.scale)
+        else:
+            backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+            out = backend.paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
