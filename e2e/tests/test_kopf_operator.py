@@ -48,8 +48,10 @@ def test_kopf_operator_lifecycle(cluster, namespace, widget_crd, monkeypatch):
         assert 'widget.e2e.pagedmodel.io "op" deleted' in deleted.stdout
         assert cluster.kubectl("get", "widget", "op", namespace=namespace, check=False).returncode != 0
         cluster.kubectl_json("get", "configmap", "tombstone-op", namespace=namespace)
+        # The controller-manager's garbage collector picks up a new CRD's kind on its discovery resync
+        # (every 30 s), so a Widget made right after its CRD may be deleted before the GC watches Widgets.
         wait_until(lambda: cluster.kubectl("get", "configmap", "widget-op", namespace=namespace,
-                                           check=False).returncode != 0, what="child garbage-collected")
+                                           check=False).returncode != 0, timeout=90, what="child garbage-collected")
     assert runner.exit_code == 0, runner.output
     assert runner.exception is None
     assert "Handler 'create' succeeded" in runner.output and "Handler 'delete' succeeded" in runner.output

@@ -13,7 +13,7 @@ prepacked oneDNN matmul handle per layer).
   (a Sapphire-Rapids-class Xeon, one thread; the 49,152-wide head 16.4 -> 12.4 ms at one row, 21.6 ->
   12.5 ms at 64), so every step uses it.
 - bfloat16 has three GEMMs, and which is fastest depends on the CPU more than on its flags, so
-  ``cpu_linear_plan.py`` measures them at load on one of the model's weight shapes and makes a
+  ``cpu_linear_plan.py`` measures them at load on each of the model's weight shapes and makes a
   ``LinearPlan``: oneDNN's bf16 GEMM over its packed copy; a float32 packed copy of the weight
   (steps of at least ``FLOAT32_GEMM_MIN_ROWS`` rows cast their input to float32, multiply there and
   cast back; the head keeps float32 logits), which paid 1.3-1.4x at 64 rows on an Emerald Rapids

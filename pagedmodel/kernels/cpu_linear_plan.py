@@ -3,9 +3,9 @@
 Why measure: the fastest of the three bf16 paths differs by CPU far more than any flag tells. On an
 Emerald Rapids guest (AVX512-BF16, no AMX) oneDNN's bf16 GEMM ran at 75 GFLOP/s against 110-147 for
 its float32 GEMM over a float32 copy of the weight, and our panel op (``cpu_bf16_linear.cpp``) beat
-oneDNN's bf16 GEMM up to 31 rows. On an AMD EPYC with the same flags oneDNN's bf16 GEMM is twice as
-fast as the float32 copy at every row count and beats the panel op from 4 rows on; only at one row
-does the panel op win (1.4-1.8x). A rule tuned on one machine cost the other up to 2x on every linear.
+oneDNN's bf16 GEMM at 8 and 16 rows. On an AMD EPYC with the same flags oneDNN's bf16 GEMM is twice
+as fast as the float32 copy at 64 rows and beats the panel op from 4 rows on; only at one or two rows
+does the panel op win (1.1-1.8x). A rule tuned on one machine cost the other up to 2x on every linear.
 
 So ``choose_plans`` times the three candidates on each of the model's weight shapes at a few row
 counts (about a second at load for SmolLM2's five shapes, most of it the 49,152-wide head) and
