@@ -35,6 +35,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import stop_process, wait_healthy  # noqa: E402  (tests/support.py: shared with the tests)
@@ -96,16 +97,14 @@ def run_ours(model_dir: str, reqs: list[Req], args, prefix_caching: bool, varian
     from pagedmodel.kernels import cpu_linear
 
     torch_compile, linear_choice = OURS_VARIANTS[variant]
-    saved = os.environ.pop(cpu_linear.LINEAR_ENV, None)
-    if linear_choice:
-        os.environ[cpu_linear.LINEAR_ENV] = linear_choice   # read once, when the engine packs its linears
     start = time.perf_counter()
-    llm = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048,
-              enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager, kv_cache_memory=KV_CACHE_BYTES,
-              torch_compile=torch_compile)
-    os.environ.pop(cpu_linear.LINEAR_ENV, None)
-    if saved is not None:
-        os.environ[cpu_linear.LINEAR_ENV] = saved
+    with mock.patch.dict(os.environ):   # the env is read once, when the engine packs its linears
+        os.environ.pop(cpu_linear.LINEAR_ENV, None)
+        if linear_choice:
+            os.environ[cpu_linear.LINEAR_ENV] = linear_choice
+        llm = LLM(model_dir, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=2048,
+                  enable_prefix_caching=prefix_caching, enforce_eager=args.enforce_eager,
+                  kv_cache_memory=KV_CACHE_BYTES, torch_compile=torch_compile)
     if torch_compile:
         runner = llm.engine.runner
         print(f"  ours_compiled: start-up {time.perf_counter() - start:.0f} s, compile "

@@ -80,6 +80,9 @@ class Packing(NamedTuple):
     count: int                                  # layers replaced
     plans: dict[tuple[int, int], LinearPlan]    # by bf16 weight shape, for layers packed later (a tied head)
 
+    def plan_for(self, weight: torch.Tensor) -> LinearPlan:
+        return self.plans.get(tuple(weight.shape), LinearPlan())
+
 
 def bf16_panels(flags: frozenset[str] | None = None) -> bool:
     """Whether small bf16 steps can go through ``cpu_bf16_linear.cpp``: the CPU has the AVX-512 it is
@@ -144,7 +147,8 @@ class PackedLinear(nn.Module):
             self.panels = pack_panels(self.weight.detach()) if self._panel_op is not None else None
             self.packed = reorder(self.weight.detach(), None) if self.plan.needs_bf16_pack() else None
             self.packed32 = reorder(self.weight.detach().float(), None) if float32_copy else None
-            self.bias32 = bias.detach().float() if bf16 and bias is not None else None
+            float32_paths = self.panels is not None or float32_copy   # the paths that add the bias in float32
+            self.bias32 = bias.detach().float() if float32_paths and bias is not None else None
         self.min_rows = MIN_ROWS[self.weight.dtype]
         self.float_output = float_output
 
@@ -183,11 +187,11 @@ def pack_linears(model: nn.Module, extra_weights: tuple[torch.Tensor, ...] = ())
     if not enabled():
         return Packing(0, {})
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear and applies(mod.weight)]
-    plans = bf16_plans([mod.weight for _, mod in targets] + list(extra_weights)) if targets else {}
+    packing = Packing(len(targets), bf16_plans([mod.weight for _, mod in targets] + list(extra_weights)) if targets else {})
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(mod.weight, mod.bias, plan=plans.get(tuple(mod.weight.shape), LinearPlan())))
+        setattr(parent, attr, PackedLinear(mod.weight, mod.bias, plan=packing.plan_for(mod.weight)))
     if targets:
         log.info("%d linear layers use oneDNN-prepacked weights (%s=off turns it off)", len(targets), LINEAR_ENV)
-    return Packing(len(targets), plans)
+    return packing

@@ -93,21 +93,23 @@ def _seconds_per_call(fn: Callable[[], object]) -> float:
 
 
 def measure(out_features: int, in_features: int, panel_op: Callable | None,
-            rows_list: tuple[int, ...] = MEASURED_ROWS) -> Timings:
-    """Seconds a call of each candidate GEMM takes here on a random bf16 [out_features, in_features] weight."""
+            rows_list: tuple[int, ...] = MEASURED_ROWS, float32: bool = True) -> Timings:
+    """Seconds a call of each candidate GEMM takes here on a random bf16 [out_features, in_features] weight
+    (``float32``: the float32 copy too)."""
     from .cpu_linear import pack_panels   # the layout lives with the layer that uses it
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     reorder, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
     with torch.inference_mode():
-        packed, packed32 = reorder(weight, None), reorder(weight.float(), None)
+        packed = reorder(weight, None)
+        packed32 = reorder(weight.float(), None) if float32 else None
         panels = pack_panels(weight) if panel_op is not None else None
         timings: Timings = {"bf16": {}, "float32": {}, "panel": {}}
         for rows in rows_list:
             x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
             timings["bf16"][rows] = _seconds_per_call(lambda: linear(x, packed, None, "none", [], ""))
-            if rows == max(rows_list):   # the plan weighs the float32 copy at the largest step only
+            if packed32 is not None and rows == max(rows_list):   # the plan weighs it at the largest step only
                 timings["float32"][rows] = _seconds_per_call(
                     lambda: linear(x.float(), packed32, None, "none", [], "").to(torch.bfloat16))
             if panels is not None and rows <= PANEL_ROWS_LIMIT:
@@ -132,9 +134,8 @@ def choose_plans(weights: list[torch.Tensor], choice: str,
         return {shape: plan for shape in shapes}
     plans = {}
     for out_features, in_features in shapes:
-        timings = measure(out_features, in_features, panel_op)
-        plans[out_features, in_features] = plan = plan_from(
-            timings if fits else {k: v for k, v in timings.items() if k != "float32"})
+        timings = measure(out_features, in_features, panel_op, float32=fits)   # no copies past the budget
+        plans[out_features, in_features] = plan = plan_from(timings)
         log.info("bf16 %dx%d linears (ms a call by rows): %s -> %s", out_features, in_features,
                  "; ".join(f"{name} " + " ".join(f"{r}:{t * 1e3:.3f}" for r, t in by_rows.items())
                            for name, by_rows in timings.items() if by_rows), plan.describe())

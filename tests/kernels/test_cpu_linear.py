@@ -192,6 +192,7 @@ def test_measuring_times_every_candidate_and_plans_each_shape(caplog):
     op = cpu_paged_attention.bf16_linear()
     timings = cpu_linear_plan.measure(96, 64, op, rows_list=(1, 4, 64))
     assert set(timings["bf16"]) == {1, 4, 64} and set(timings["float32"]) == {64}
+    assert cpu_linear_plan.measure(96, 64, None, rows_list=(1, 64), float32=False)["float32"] == {}
     assert set(timings["panel"]) == ({1, 4} if op is not None else set())
     assert all(t > 0 for by_rows in timings.values() for t in by_rows.values())
     weights = [torch.zeros(96, 64, dtype=torch.bfloat16)] * 2 + [torch.zeros(500, 64, dtype=torch.bfloat16)]
@@ -212,7 +213,8 @@ def test_the_env_skips_the_measurement_and_the_budget_bounds_float32_copies(monk
     monkeypatch.setattr(cpu_linear_plan, "FLOAT32_COPY_BUDGET", 8 * 8 * 4 - 1)
     assert choose(small, "float32", op) == {(8, 8): LinearPlan()}   # over the memory budget
     wins = _timings({1: 1.0, 64: 2.0}, {64: 1.0}, {})
-    monkeypatch.setattr(cpu_linear_plan, "measure", lambda *a, **k: wins)
+    monkeypatch.setattr(cpu_linear_plan, "measure",   # as measure does: no float32 timing unless asked
+                        lambda *a, float32=True, **k: wins if float32 else {**wins, "float32": {}})
     assert choose(small, "packed", None) == {(8, 8): LinearPlan()}   # float32 wins, but over budget
     monkeypatch.setattr(cpu_linear_plan, "FLOAT32_COPY_BUDGET", 8 * 8 * 4)
     assert choose(small, "packed", None) == {(8, 8): LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS)}

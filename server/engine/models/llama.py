@@ -214,11 +214,12 @@ class LlamaForCausalLM(nn.Module):
         through oneDNN-prepacked weights (``pagedmodel/kernels/cpu_linear.py``); returns how many layers were
         packed (0: not applicable or off)."""
         tied_head = self.lm_head is None and cpu_linear.applies(self.embed_tokens.weight)
-        packed, plans = cpu_linear.pack_linears(self, extra_weights=(self.embed_tokens.weight,) if tied_head else ())
+        packing = cpu_linear.pack_linears(self, extra_weights=(self.embed_tokens.weight,) if tied_head else ())
+        packed = packing.count
         if isinstance(self.lm_head, cpu_linear.PackedLinear):
             self.lm_head.float_output = True   # float32 logits straight from a float32 GEMM
         if packed and tied_head:
-            plan = plans.get(tuple(self.embed_tokens.weight.shape), cpu_linear.LinearPlan())
-            self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight, plan=plan, float_output=True)
+            self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight, plan=packing.plan_for(self.embed_tokens.weight),
+                                                       float_output=True)
             packed += 1
         return packed
