@@ -2,6 +2,7 @@
 
     python benchmarks/attention_cost.py [--threads 2] [--short 150] [--long 2000] [--batch 64] [--cache-gib 2]
     python benchmarks/attention_cost.py --prefill [--threads 2] [--dtype bfloat16]
+    python benchmarks/attention_cost.py --block-sizes 16 128 [--threads 1] [--dtype bfloat16] [--layers 30]
 
 One layer of SmolLM2-135M's attention (9 query heads, 3 KV heads, head dim 64, block size 16) over
 a decode batch of ``--batch`` sequences of ``--short`` tokens, then the same batch with one of them
@@ -16,12 +17,19 @@ serving engine's are: then the reads come from DRAM, not from the last-level cac
 512-token chunk at the end of a 1,500-token context): ``torch_attention.prefill_attention`` (float32
 tiles of query rows, each over the keys it can see) against one SDPA call over the whole chunk with a
 bottom-right causal mask, which is what it replaced.
+
+``--block-sizes`` times the C++ row op on a decode batch shaped like the mixed workload's (27 rows,
+lognormal contexts, ~11k tokens in all) for each block size, cycling through ``--layers`` caches of
+``2 GiB / layers`` each, as a step does through its layers: between two calls on one cache the others
+push it out of the last-level cache, so the blocks come from DRAM, where the block size decides how
+long each contiguous read is. Prints ms per call and the K/V bytes read per second.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -87,6 +95,29 @@ def prefill_cost(args, shapes: dict) -> dict:
     return results
 
 
+def block_size_cost(args) -> dict:
+    rng = random.Random(0)
+    lens = [min(1700, int(rng.lognormvariate(5.8, 0.8))) for _ in range(27)]
+    dtype = getattr(torch, args.dtype)
+    results = {}
+    print(f"{len(lens)} decode rows, {sum(lens)} context tokens, {args.dtype}, {args.threads} threads, "
+          f"{args.layers} layer caches of {2 / args.layers:.3f} GiB; ms per layer call")
+    for block_size in args.block_sizes:
+        spare = int((2 << 30) / args.layers / (2 * block_size * 3 * 64 * dtype.itemsize))
+        layers = [make_batch([1] * len(lens), lens, block_size=block_size, q_heads=9, kv_heads=3, head_dim=64,
+                             dtype=dtype, seed=i, spare_blocks=spare) for i in range(args.layers)]
+        turn = iter(range(1 << 62))
+
+        def call():
+            b = layers[next(turn) % args.layers]
+            torch_attention.paged_attention(b.query, b.kv_cache, b.meta, 64 ** -0.5)
+        ms = time_ms(call, args.reps * args.layers)
+        rate = sum(lens) * 2 * 3 * 64 * dtype.itemsize / (ms / 1e3) / 1e9
+        results[str(block_size)] = {"ms": ms, "kv_gb_per_s": rate}
+        print(f"  block size {block_size:4d}: {ms:7.3f} ms  {rate:6.2f} GB/s of K/V")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -98,6 +129,9 @@ def main() -> None:
     ap.add_argument("--cache-gib", type=float, default=0.0,
                     help="spread the blocks over a K+V cache of this size (0: just the blocks the batch needs)")
     ap.add_argument("--prefill", action="store_true", help="time long-chunk (prefill) attention instead of decode")
+    ap.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                    help="time the C++ row op per block size on DRAM-resident caches instead")
+    ap.add_argument("--layers", type=int, default=30, help="with --block-sizes: caches cycled through")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -105,8 +139,10 @@ def main() -> None:
     block_bytes = 2 * 16 * 3 * 64 * dtype.itemsize   # K and V of one block
     spare = max(3, int(args.cache_gib * (1 << 30) / block_bytes))
     shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64, dtype=dtype, spare_blocks=spare)
-    if args.prefill:
-        results = prefill_cost(args, shapes)
+    if args.prefill or args.block_sizes:
+        if args.block_sizes and cpu_paged_attention.load() is None:
+            sys.exit(f"C++ row op unavailable: {cpu_paged_attention.load_error()}")
+        results = prefill_cost(args, shapes) if args.prefill else block_size_cost(args)
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
         return

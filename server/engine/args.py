@@ -5,6 +5,12 @@ import argparse
 from dataclasses import dataclass, fields
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
+# --block-size when not given, per device type (vLLM's defaults). On CPU a decode step's attention reads
+# each sequence's blocks from DRAM; 16-token blocks are 6 KB pieces at random places, which this
+# path reads at a third of the streaming rate, and 128-token blocks made the attention op 1.5x faster
+# on mixed-length traffic (benchmarks/attention_cost.py --block-sizes; docs/engine.md).
+DEFAULT_BLOCK_SIZE = {"cpu": 128}   # by torch.device type
+DEFAULT_BLOCK_SIZE_ELSEWHERE = 16
 PREEMPTION_MODES = ("swap", "recompute")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -17,7 +23,7 @@ class ConfigError(ValueError):
 class EngineArgs:
     model: str | None = None            # local HF dir, a known name ("smollm2"), or a hub id; None = default
     served_model_name: str | None = None
-    block_size: int = 16
+    block_size: int | None = None       # None: DEFAULT_BLOCK_SIZE for the device (see block_size_for)
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None   # None: 2048 (chunked prefill splits longer prompts)
     max_model_len: int | None = None            # None: the model's max_position_embeddings
@@ -42,7 +48,7 @@ class EngineArgs:
         self.validate()
 
     def validate(self) -> None:
-        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+        if self.block_size is not None and self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ConfigError(f"--block-size must be one of {SUPPORTED_BLOCK_SIZES}, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -81,7 +87,7 @@ class EngineArgs:
         a = parser.add_argument
         a("--model", default=None, help="HF-format model directory, 'smollm2', or a hub id (default: SmolLM2-135M-Instruct)")
         a("--served-model-name", default=None, help="model name reported by the API (default: the model's name)")
-        a("--block-size", type=int, default=d["block_size"].default, choices=SUPPORTED_BLOCK_SIZES, help="tokens per KV block")
+        a("--block-size", type=int, default=d["block_size"].default, choices=SUPPORTED_BLOCK_SIZES, help="tokens per KV block (default: 128 on CPU, 16 on GPUs)")
         a("--max-num-seqs", type=int, default=d["max_num_seqs"].default, help="most sequences in one batch")
         a("--max-num-batched-tokens", type=int, default=None, help="token budget of one step (chunked prefill splits longer prompts)")
         a("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens (default: the model's)")

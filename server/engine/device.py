@@ -1,4 +1,4 @@
-"""Which device and dtype the engine runs on (``--device``, ``--dtype``)."""
+"""Which device, dtype and KV block size the engine runs with (``--device``, ``--dtype``, ``--block-size``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +7,7 @@ import torch
 
 from pagedmodel.kernels.cpu_features import has_native_bf16
 
-from .args import ConfigError
+from .args import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE_ELSEWHERE, ConfigError
 
 
 def pick_device(name: str) -> torch.device:
@@ -28,3 +28,10 @@ def pick_dtype(name: str, config: Any, device: torch.device, native_bf16: bool |
         return torch.bfloat16 if (has_native_bf16() if native_bf16 is None else native_bf16) else torch.float32
     wanted = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
     return torch.float16 if wanted in (torch.float16, "float16") else torch.bfloat16
+
+
+def pick_block_size(block_size: int | None, device: torch.device) -> int:
+    """``--block-size``; unset, 128 tokens on CPU and 16 elsewhere, as vLLM does."""
+    if block_size is not None:
+        return block_size
+    return DEFAULT_BLOCK_SIZE.get(device.type, DEFAULT_BLOCK_SIZE_ELSEWHERE)

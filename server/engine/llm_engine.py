@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import replace
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from .args import ConfigError, EngineArgs, parse_lora_module
 from .beam_group import BeamGroup
 from .beam_search import BeamSearch
 from .detokenizer import init_offsets
+from .device import pick_block_size, pick_device
 from .grammar_compiler import GrammarCompiler
 from .input_processor import InputProcessor, InvalidRequestError
 from .lora.adapter import LoRAAdapter, LoRAError
@@ -44,7 +46,8 @@ __all__ = ["LLMEngine", "InvalidRequestError", "DEFAULT_MAX_NUM_BATCHED_TOKENS"]
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        self.args = args
+        # the block size is fixed here, for everything after (cache, scheduler, metrics), from the device
+        args = self.args = replace(args, block_size=pick_block_size(args.block_size, pick_device(args.device)))
         mc = self.model_config = ModelConfig.from_args(args)
         self.model_name, self.tokenizer, self.max_model_len = mc.served_name, mc.tokenizer, mc.max_model_len
         self.vocab_size, self.eos_token_ids = mc.vocab_size, mc.eos_token_ids

@@ -19,7 +19,8 @@ MODEL = "small"
 LBL = '{model_name="small"}'
 MAX_NUM_SEQS = 4
 MAX_QUEUE_LEN = 8
-BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4   # layers x (k, v) x block size x kv heads x head dim x fp32
+BLOCK_SIZE = 16   # explicit: the CPU default is 128, and this budget is counted in 16-token blocks
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4   # layers x (k, v) x block size x kv heads x head dim x fp32
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def small_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     log = tmp_path_factory.mktemp("small_server") / "server.log"
     # float32 explicitly: BLOCK_BYTES is a float32 block, and --dtype auto is bf16 on AMX/AVX512-BF16 CPUs
     srv = ServerProcess(server_model_dir, log, "--served-model-name", MODEL, "--max-model-len", "512", "--dtype", "float32",
-                        "--kv-cache-memory", str(64 * BLOCK_BYTES), "--max-num-seqs", str(MAX_NUM_SEQS),
+                        "--kv-cache-memory", str(64 * BLOCK_BYTES), "--block-size", str(BLOCK_SIZE),
+                        "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--max-queue-len", str(MAX_QUEUE_LEN))
     try:
         yield srv.wait_ready()

@@ -93,7 +93,8 @@ def test_vllm_metrics_cache_config_phases_iteration_tokens_and_params(api_server
 
     from pagedmodel.server.engine.device import pick_dtype
     auto = str(pick_dtype("auto", None, torch.device("cpu"))).removeprefix("torch.")   # bf16 on AMX/AVX512-BF16
-    assert 'block_size="16"' in info[0] and 'num_gpu_blocks="' in info[0] and f'cache_dtype="{auto}"' in info[0]
+    # the CPU's default --block-size, as the server was started without one
+    assert 'block_size="128"' in info[0] and 'num_gpu_blocks="' in info[0] and f'cache_dtype="{auto}"' in info[0]
     assert grew("vllm:request_prefill_time_seconds_count") == 1
     assert grew("vllm:request_decode_time_seconds_count") == 1
     assert grew("vllm:request_decode_time_seconds_sum") > 0

@@ -70,6 +70,18 @@ def test_peaked_softmax_and_smollm2_shapes(op_mode, sharpness):
         torch.testing.assert_close(got.float(), expected, **tol)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_bf16_rows_at_the_vector_head_dims(op_mode, head_dim, block_size):
+    """Head dims 64 and 128 take the op's AVX-512 steps (16 tokens per reduction tree), at the GPU
+    default block size and at the CPU's (128, several trees per block): odd lengths, partial last
+    blocks, contexts over several blocks, a short chunk's causal rows, and 20+ rows (a row's kv heads
+    read together)."""
+    lens = [1, 2, 3, 15, 17, block_size - 1, block_size + 1, 2 * block_size + 3, 301, 555] * 2
+    _check([1] * len(lens) + [5], lens + [40], torch.bfloat16, block_size=block_size, q_heads=9, kv_heads=3,
+           head_dim=head_dim, seed=head_dim + block_size)
+
+
 def test_one_long_among_many_short(op_mode):
     _check([1] * 40, [5] * 39 + [300], block_size=16, q_heads=4, kv_heads=1, head_dim=32)
 
