@@ -154,17 +154,20 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
                       scale: float) -> torch.Tensor:
     """The last ``len(query)`` positions of one sequence, causally over its ``seq_len`` context tokens.
 
-    In float32, ``PREFILL_TILE`` query rows at a time, each tile over only the keys it can see: the
-    scores stay a few MB (they fit in cache), and the causal half of the work is skipped. One SDPA call
-    over the whole prompt materialises every score -- 80 MB at 1,500 tokens -- and was 3-6x slower on
-    CPU (benchmarks/attention_cost.py --prefill)."""
+    ``PREFILL_TILE`` query rows at a time, each tile over only the keys it can see: the scores stay a
+    few MB (they fit in cache), and the causal half of the work is skipped. One SDPA call over the whole
+    prompt materialises every score -- 80 MB at 1,500 tokens -- and was 3-6x slower on CPU
+    (benchmarks/attention_cost.py --prefill). Scores and softmax are float32. With a bf16 cache the
+    probabilities are rounded to bf16 for the product with V, as flash attention does on GPUs: that bmm
+    then runs at the bf16 rate (2x float32's with AVX512-BF16), and the output is rounded to bf16 anyway."""
     q_len = query.shape[0]
     q_heads, dim = query.shape[1], query.shape[2]
     k, v = gather_context(kv_cache, block_table, seq_len)            # [seq_len, kv_heads, dim]
     kv_heads = k.shape[1]
     group = q_heads // kv_heads
     k_t = k.float().transpose(0, 1).transpose(1, 2)                   # [kv_heads, dim, seq_len]
-    v_t = v.float().transpose(0, 1)                                   # [kv_heads, seq_len, dim]
+    pv_dtype = torch.bfloat16 if kv_cache.dtype == torch.bfloat16 else torch.float32
+    v_t = v.to(pv_dtype).transpose(0, 1)                              # [kv_heads, seq_len, dim]
     # [kv_heads, group, q_len, dim]: a kv head's query heads side by side, so one bmm serves the group
     q_t = (query.float() * scale).view(q_len, kv_heads, group, dim).permute(1, 2, 0, 3)
     out = torch.empty(kv_heads, group, q_len, dim, dtype=torch.float32, device=query.device)
@@ -177,7 +180,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
         # every key before the tile's own diagonal is visible to all its rows; mask the triangle
         future = torch.ones(n, n, dtype=torch.bool, device=query.device).triu_(1)
         scores[..., visible - n:].masked_fill_(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(kv_heads, group * n, visible)
+        probs = torch.softmax(scores, dim=-1).view(kv_heads, group * n, visible).to(pv_dtype)
         out[:, :, a:b] = torch.bmm(probs, v_t[:, :visible]).view(kv_heads, group, n, dim)
     return out.view(q_heads, q_len, dim).transpose(0, 1).to(query.dtype)
 
