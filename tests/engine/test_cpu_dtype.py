@@ -1,11 +1,11 @@
-"""``--dtype auto`` on CPU: bf16 only where the CPU has native bf16 (AMX or AVX512-BF16)."""
+"""``--dtype auto`` on CPU: bf16 only where the CPU has native bf16 (AMX or AVX512-BF16); and the block size default per device."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pagedmodel.kernels.cpu_features import cpu_flags, has_native_bf16
-from pagedmodel.server.engine.device import pick_dtype
+from pagedmodel.server.engine.device import pick_block_size, pick_dtype
 
 AVX2_EPYC = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma bmi2\nbugs\t\t: sysret_ss_attrs\n"
 SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8\n"
@@ -45,3 +45,13 @@ def test_auto_dtype_on_cpu_follows_the_cpu(native, expected):
 def test_an_explicit_dtype_wins_over_the_cpu():
     assert pick_dtype("float32", object(), torch.device("cpu"), native_bf16=True) is torch.float32
     assert pick_dtype("bfloat16", object(), torch.device("cpu"), native_bf16=False) is torch.bfloat16
+
+
+@pytest.mark.parametrize(("asked", "device", "expected"), [
+    (None, "cpu", 128),     # vLLM's CPU default: long contiguous reads of each sequence's blocks
+    (None, "cuda", 16),
+    (16, "cpu", 16),        # an explicit --block-size always wins
+    (64, "cuda", 64),
+])
+def test_default_block_size_follows_the_device(asked, device, expected):
+    assert pick_block_size(asked, torch.device(device)) == expected
