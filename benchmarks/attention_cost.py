@@ -27,6 +27,7 @@ long each contiguous read is. Prints ms per call and the K/V bytes read per seco
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -95,24 +96,28 @@ def prefill_cost(args, shapes: dict) -> dict:
     return results
 
 
-def block_size_cost(args) -> dict:
+def kv_bytes(shapes: dict, block_size: int) -> int:
+    """K and V bytes of one block of ``block_size`` tokens."""
+    return 2 * block_size * shapes["kv_heads"] * shapes["head_dim"] * shapes["dtype"].itemsize
+
+
+def block_size_cost(args, shapes: dict) -> dict:
     rng = random.Random(0)
     lens = [min(1700, int(rng.lognormvariate(5.8, 0.8))) for _ in range(27)]
-    dtype = getattr(torch, args.dtype)
     results = {}
     print(f"{len(lens)} decode rows, {sum(lens)} context tokens, {args.dtype}, {args.threads} threads, "
           f"{args.layers} layer caches of {2 / args.layers:.3f} GiB; ms per layer call")
     for block_size in args.block_sizes:
-        spare = int((2 << 30) / args.layers / (2 * block_size * 3 * 64 * dtype.itemsize))
-        layers = [make_batch([1] * len(lens), lens, block_size=block_size, q_heads=9, kv_heads=3, head_dim=64,
-                             dtype=dtype, seed=i, spare_blocks=spare) for i in range(args.layers)]
-        turn = iter(range(1 << 62))
+        spare = int((2 << 30) / args.layers / kv_bytes(shapes, block_size))
+        layers = [make_batch([1] * len(lens), lens, **{**shapes, "block_size": block_size, "spare_blocks": spare},
+                             seed=i) for i in range(args.layers)]
+        turn = itertools.count()
 
         def call():
             b = layers[next(turn) % args.layers]
             torch_attention.paged_attention(b.query, b.kv_cache, b.meta, 64 ** -0.5)
         ms = time_ms(call, args.reps * args.layers)
-        rate = sum(lens) * 2 * 3 * 64 * dtype.itemsize / (ms / 1e3) / 1e9
+        rate = sum(lens) * kv_bytes(shapes, 1) / (ms / 1e3) / 1e9
         results[str(block_size)] = {"ms": ms, "kv_gb_per_s": rate}
         print(f"  block size {block_size:4d}: {ms:7.3f} ms  {rate:6.2f} GB/s of K/V")
     return results
@@ -136,13 +141,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    block_bytes = 2 * 16 * 3 * 64 * dtype.itemsize   # K and V of one block
-    spare = max(3, int(args.cache_gib * (1 << 30) / block_bytes))
-    shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64, dtype=dtype, spare_blocks=spare)
+    shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64, dtype=dtype)
+    shapes["spare_blocks"] = max(3, int(args.cache_gib * (1 << 30) / kv_bytes(shapes, 16)))
+    if args.block_sizes and cpu_paged_attention.load() is None:
+        sys.exit(f"C++ row op unavailable: {cpu_paged_attention.load_error()}")
     if args.prefill or args.block_sizes:
-        if args.block_sizes and cpu_paged_attention.load() is None:
-            sys.exit(f"C++ row op unavailable: {cpu_paged_attention.load_error()}")
-        results = prefill_cost(args, shapes) if args.prefill else block_size_cost(args)
+        results = prefill_cost(args, shapes) if args.prefill else block_size_cost(args, shapes)
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
         return

@@ -9,8 +9,8 @@ SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 # step's attention reads each sequence's blocks from DRAM, and 16-token blocks are 6 KB pieces at random
 # places, read at a fifth of the streaming rate: 128-token blocks made the attention op 1.5x faster on
 # mixed-length traffic (benchmarks/attention_cost.py --block-sizes; docs/engine.md).
-DEFAULT_BLOCK_SIZE = {"cpu": 128}   # by torch.device type
-DEFAULT_BLOCK_SIZE_ELSEWHERE = 16
+CPU_BLOCK_SIZE = 128
+GPU_BLOCK_SIZE = 16
 PREEMPTION_MODES = ("swap", "recompute")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 class EngineArgs:
     model: str | None = None            # local HF dir, a known name ("smollm2"), or a hub id; None = default
     served_model_name: str | None = None
-    block_size: int | None = None       # None: the device's default (DEFAULT_BLOCK_SIZE)
+    block_size: int | None = None       # None: CPU_BLOCK_SIZE or GPU_BLOCK_SIZE, by device
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None   # None: 2048 (chunked prefill splits longer prompts)
     max_model_len: int | None = None            # None: the model's max_position_embeddings

@@ -7,7 +7,7 @@ import torch
 
 from pagedmodel.kernels.cpu_features import has_native_bf16
 
-from .args import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE_ELSEWHERE, ConfigError
+from .args import CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, ConfigError
 
 
 def pick_device(name: str) -> torch.device:
@@ -34,4 +34,4 @@ def pick_block_size(block_size: int | None, device: torch.device) -> int:
     """``--block-size``; unset, 128 tokens on CPU and 16 elsewhere, as vLLM does."""
     if block_size is not None:
         return block_size
-    return DEFAULT_BLOCK_SIZE.get(device.type, DEFAULT_BLOCK_SIZE_ELSEWHERE)
+    return CPU_BLOCK_SIZE if device.type == "cpu" else GPU_BLOCK_SIZE
