@@ -193,20 +193,22 @@ inline void block_values_direct(const float* p, const T* v, int64_t n, int64_t v
 }
 #endif
 
-// Asks for a block's rows (`width` values per token) ahead of their use: blocks sit anywhere in the
-// cache, so the hardware prefetcher cannot guess the next one.
-template <typename T>
-inline void prefetch_block(const T* base, int64_t n, int64_t token_stride, int64_t width) {
-  const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < n; ++i) {
-    const char* row = reinterpret_cast<const char*>(base + i * token_stride);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
-  }
+// Asks for one cache row's `bytes` ahead of use, into L1 (Locality 3) or L2 (2).
+template <int Locality>
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(row) + off, 0, Locality);
 }
 
-// How many blocks ahead of the one being read the prefetches run: one block's compute is shorter than
-// a DRAM round trip, so a single block ahead leaves the loads waiting.
-constexpr int64_t PREFETCH_BLOCKS = 2;
+// A row's reads -- its key rows, then its value rows -- are asked for ahead of use: blocks sit anywhere
+// in the cache, so the hardware prefetcher cannot follow from one to the next. Before a chunk of tokens
+// is computed all its lines are asked for into L1 at once (the compute walks a chunk head by head, a
+// few lines at a time, so its misses would otherwise come a few at a time), and the next L2_AHEAD
+// tokens' lines into L2. On the mixed decode batch of benchmarks/attention_cost.py --block-sizes
+// (DRAM-resident caches, 128-token blocks, one thread) this took a call from 1.17 to 0.77 ms; whole
+// blocks ahead into L1 (the scheme before it) did no better than no prefetch at all: hundreds of
+// prefetches at once fill the miss buffers and stall the compute they were meant to overlap.
+constexpr int64_t L2_AHEAD = 64;
+constexpr int64_t CHUNK = 16;   // tokens per q.k reduction tree, and per prefetch into L1
 
 // DC > 0: the AVX-512 block steps for head dim 16 * DC; 0: the generic ones.
 template <int DC, typename T>
@@ -249,25 +251,33 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
         return cache + offset + (static_cast<int64_t>(table[b]) * block_size) * token_stride + h0 * dim;
       };
       auto tokens_in = [&](int64_t b) { return std::min(block_size, len - b * block_size); };
-      // keys then values: block b of the 2 * nblocks reads is key block b or value block b - nblocks
-      auto prefetch = [&](int64_t b) {
-        if (b < nblocks) prefetch_block(block_base(b, 0), tokens_in(b), token_stride, width);
-        else if (b < 2 * nblocks) prefetch_block(block_base(b - nblocks, plane), tokens_in(b - nblocks), token_stride, width);
+      // read u < 2 * len: key row u, or value row u - len
+      auto read_row = [&](int64_t u) {
+        const int64_t t = u < len ? u : u - len;
+        return block_base(t / block_size, u < len ? 0 : plane) + (t % block_size) * token_stride;
       };
-      for (int64_t b = 0; b < PREFETCH_BLOCKS; ++b) prefetch(b);
+      const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T));
+      int64_t in_l1 = 0, in_l2 = 0;   // reads [0, in_l1) were asked for into L1, [0, in_l2) into L2
+      auto prefetch_before = [&](int64_t end) {   // reads [.., end) are next
+        for (const int64_t stop = std::min(end + L2_AHEAD, 2 * len); in_l2 < stop; ++in_l2)
+          prefetch_row<2>(read_row(in_l2), row_bytes);
+        for (const int64_t stop = std::min(end, 2 * len); in_l1 < stop; ++in_l1) prefetch_row<3>(read_row(in_l1), row_bytes);
+      };
       for (int64_t b = 0; b < nblocks; ++b) {
-        prefetch(b + PREFETCH_BLOCKS);
         const int64_t n = tokens_in(b);
 #if defined(__AVX512F__)
         if constexpr (DC > 0) {
-          for (int64_t hh = 0; hh < span; ++hh)
-            for (int64_t i0 = 0; i0 < n; i0 += 16)   // 16 tokens per reduction tree
+          for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+            prefetch_before(b * block_size + i0 + CHUNK);
+            for (int64_t hh = 0; hh < span; ++hh)
               block_scores_direct<DC>(q.data() + hh * group * dim, block_base(b, 0) + hh * dim + i0 * token_stride,
-                                      std::min<int64_t>(16, n - i0), token_stride, group,
+                                      std::min<int64_t>(CHUNK, n - i0), token_stride, group,
                                       scores.data() + hh * group * stride + b * block_size + i0, stride, partial.data());
+          }
           continue;
         }
 #endif
+        prefetch_before((b + 1) * block_size);
         block_to_float(block_base(b, 0), n, token_stride, width, block.data());
         for (int64_t hh = 0; hh < span; ++hh)
           block_scores(q.data() + hh * group * dim, block.data() + hh * dim, n, width, group, dim,
@@ -286,16 +296,20 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t b = 0; b < nblocks; ++b) {
-        prefetch(nblocks + b + PREFETCH_BLOCKS);
         const int64_t n = tokens_in(b);
 #if defined(__AVX512F__)
         if constexpr (DC > 0) {
-          for (int64_t hh = 0; hh < span; ++hh)
-            block_values_direct<DC>(scores.data() + hh * group * stride + b * block_size, block_base(b, plane) + hh * dim,
-                                    n, token_stride, group, acc.data() + hh * group * dim, stride);
+          for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+            prefetch_before(len + b * block_size + i0 + CHUNK);
+            for (int64_t hh = 0; hh < span; ++hh)
+              block_values_direct<DC>(scores.data() + hh * group * stride + b * block_size + i0,
+                                      block_base(b, plane) + hh * dim + i0 * token_stride, std::min<int64_t>(CHUNK, n - i0),
+                                      token_stride, group, acc.data() + hh * group * dim, stride);
+          }
           continue;
         }
 #endif
+        prefetch_before(len + (b + 1) * block_size);
         block_to_float(block_base(b, plane), n, token_stride, width, block.data());
         for (int64_t hh = 0; hh < span; ++hh)
           block_values(scores.data() + hh * group * stride + b * block_size, block.data() + hh * dim, n, width,
