@@ -8,13 +8,14 @@ gather, no padding to the batch's longest context, no float32 copy of the cache)
 greedy tokens and chosen-token logprobs without a full log_softmax). ``cpu_layer_ops.cpp`` fuses the
 residual add with RMSNorm, SiLU(gate) x up, and rotary embedding. ``cpu_bf16_linear.cpp`` multiplies
 bf16 weights in float32 (small steps of ``cpu_linear.PackedLinear`` on CPUs without AMX).
-``cpu_sampling.cpp`` draws the random rows' tokens (temperature, top-k, min-p, top-p, without a sort). All
-five are compiled into one extension with ``torch.utils.cpp_extension`` the first time a process needs it
+``cpu_sampling.cpp`` draws the random rows' tokens (temperature, top-k, min-p, top-p, without a sort).
+``cpu_prefill_attention.cpp`` runs long prompt chunks' causal attention over a bf16 cache on VDPBF16PS
+(built only where the CPU has AVX512-BF16). All six are compiled into one extension with ``torch.utils.cpp_extension`` the first time a process needs it
 (tens of seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, keyed by the sources, flags, torch version and CPU flags, since
 ``-march=native`` code must not run on another CPU). Without a C++ compiler, or with
-``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``, ``logits_stats()``, ``layer_ops()``, ``bf16_linear()`` and
-``sampling()`` return None and torch ops do the same work (``torch_attention``, the sampler's fallbacks, the
+``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``, ``logits_stats()``, ``layer_ops()``, ``bf16_linear()``,
+``sampling()`` and ``bf16_prefill()`` return None and torch ops do the same work (``torch_attention``, the sampler's fallbacks, the
 model's torch path, oneDNN's linears).
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ OP_ENV = "PAGEDMODEL_CPU_ATTENTION_OP"
 OP_ENV_VALUES = ("auto", "off")
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp", HERE / "cpu_layer_ops.cpp",
-           HERE / "cpu_bf16_linear.cpp", HERE / "cpu_sampling.cpp")
+           HERE / "cpu_bf16_linear.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_prefill_attention.cpp")
 HEADERS = (HERE / "cpu_vector_math.h",)
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
@@ -98,6 +99,12 @@ def sampling() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.pagedmodel.sample_from_logits`` (``cpu_sampling.cpp``, built with the attention op);
     None if unavailable."""
     return None if load() is None else torch.ops.pagedmodel.sample_from_logits
+
+
+def bf16_prefill() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.pagedmodel.bf16_prefill_attention`` (``cpu_prefill_attention.cpp``, built with the attention
+    op where the build has AVX512-BF16); None if unavailable."""
+    return None if load() is None else getattr(torch.ops.pagedmodel, "bf16_prefill_attention", None)
 
 
 def load_error() -> str | None:

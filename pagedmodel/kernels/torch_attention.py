@@ -11,8 +11,10 @@ longest), in the cache's own dtype (no float32 copy of the cache):
   context. On CPU the C++ op (``cpu_paged_attention``) reads each row's blocks in place. Elsewhere,
   or without a compiler, rows are bucketed by length (a bucket spans at most ``BUCKET_RATIO`` x its
   shortest row, plus a block) and each bucket is one padded, masked SDPA call.
-- *Long chunks and prompts*: per sequence over its own gathered context, in float32 tiles of query rows
-  that each read only the keys they can see (`prefill_attention`).
+- *Long chunks and prompts*: per sequence over its own context, in tiles of query rows that each read
+  only the keys they can see (`prefill_attention`): with a bf16 cache on a CPU with AVX512-BF16, the
+  C++ op ``cpu_prefill_attention`` (both products on VDPBF16PS, a tile's scores kept in cache);
+  otherwise torch ops over the gathered context, scores in float32 (`prefill_attention_tiled`).
 
 Exact lengths are read from the device tensors (``seq_lens``, ``query_start_loc``), never from the
 host lists, which a CUDA-graph capture fixes at an upper bound (see ``attention_metadata.py``). On
@@ -153,6 +155,19 @@ def rows_attention_bucketed(query: torch.Tensor, kv_cache: torch.Tensor, block_t
 def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
                       scale: float) -> torch.Tensor:
     """The last ``len(query)`` positions of one sequence, causally over its ``seq_len`` context tokens.
+
+    bf16 on a CPU with AVX512-BF16: the C++ op (``cpu_prefill_attention.cpp``: q.k and p.v on VDPBF16PS,
+    a tile's scores kept in cache); otherwise `prefill_attention_tiled`, which rounds where the op does."""
+    if query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu":
+        op = cpu_paged_attention.bf16_prefill()
+        if op is not None and query.shape[-1] % 64 == 0:
+            return op(query.contiguous(), kv_cache, block_table.to(torch.int32).contiguous(), seq_len, scale)
+    return prefill_attention_tiled(query, kv_cache, block_table, seq_len, scale)
+
+
+def prefill_attention_tiled(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+                            scale: float) -> torch.Tensor:
+    """`prefill_attention` on torch ops.
 
     ``PREFILL_TILE`` query rows at a time, each tile over only the keys it can see: the scores stay a
     few MB (they fit in cache), and the causal half of the work is skipped. One SDPA call over the whole
