@@ -11,6 +11,8 @@ Workloads (fixed seed, token-id prompts so every engine sees the same lengths):
   exactly the same tokens.
 - ``shared``: 64 requests behind one 256-token system prompt, 8-40 token questions, up to 48 output
   tokens, stopping at EOS (ours runs with ``--enable-prefix-caching``; vLLM caches prefixes by default).
+- ``mixed_prefill`` (only when named): the mixed prompts with ``max_tokens=1``, prefill alone; compare
+  the engines' times.
 
 Offline: output tokens/s of ``LLM.generate`` (ours), HF ``generate`` in static batches of
 ``--hf-batch-size`` (left-padded, run to the batch's longest ``max_tokens``; only each request's own
@@ -73,7 +75,9 @@ def make_workloads(tokenizer, num_mixed: int, seed: int = 0) -> dict[str, list[R
              for _ in range(num_mixed)]
     system = _text_ids(tokenizer, rng, 256)
     shared = [Req(system + _text_ids(tokenizer, rng, rng.randint(8, 40)), 48, False) for _ in range(64)]
-    return {"uniform": uniform, "mixed": mixed, "shared": shared}
+    # the mixed prompts with one output token each: prefill alone, where long prompts' attention weighs most
+    mixed_prefill = [Req(r.prompt_ids, 1, True) for r in mixed]
+    return {"uniform": uniform, "mixed": mixed, "shared": shared, "mixed_prefill": mixed_prefill}
 
 
 def describe(reqs: list[Req]) -> str:
@@ -328,7 +332,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--num-mixed", type=int, default=256)
     ap.add_argument("--workloads", nargs="*", default=["uniform", "mixed", "shared"],
-                    help="offline workloads to run (none: e.g. only --step-overhead)")
+                    choices=["uniform", "mixed", "shared", "mixed_prefill"],
+                    help="offline workloads to run (none: e.g. only --step-overhead); mixed_prefill is the mixed "
+                         "prompts with max_tokens=1, prefill alone (compare times: its tokens/s counts one per request)")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--engines", nargs="+", default=["ours", "hf_static", "vllm"],
                     choices=[*OURS_VARIANTS, "hf_static", "vllm"],
