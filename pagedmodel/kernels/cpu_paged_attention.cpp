@@ -141,55 +141,85 @@ inline __m512 transpose_sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
-// block_scores for n <= 16 tokens of one kv head read in place (k_i at k + i * k_stride). `partial`:
-// group * 16 vectors of scratch.
-template <int DC, typename T>
-inline void block_scores_direct(const float* q, const T* k, int64_t n, int64_t k_stride, int64_t group, float* s,
-                                int64_t stride, __m512* partial) {
+// The query heads of one kv head go G at a time (a tile), their q vectors (scores) or accumulators
+// (values) held in registers across a chunk of tokens, so a token's key or value row, loaded once,
+// meets G heads without a load or store of theirs in between. Before this a value pass loaded and
+// stored every accumulator once per two tokens: a decode batch shaped like the uniform workload (64
+// rows of 25-88 tokens, SmolLM2's 9/3 heads, bf16, DRAM-resident caches, one thread) took 0.38 ms a
+// layer call, 0.32 ms with the tiles. Results are bit-identical (the same operations in the same order).
+
+// scores for n <= 16 tokens and G query heads: q at q + g * DC * 16, k_i at k + i * k_stride, head g's
+// scores to s + g * stride. `partial`: G * 16 vectors of scratch.
+template <int DC, int G, typename T>
+inline void tile_scores(const float* q, const T* k, int64_t n, int64_t k_stride, float* s, int64_t stride,
+                        __m512* partial) {
+  __m512 qr[G][DC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) qr[g][c] = _mm512_loadu_ps(q + (g * DC + c) * 16);
   for (int64_t i = 0; i < n; ++i) {
     __m512 kc[DC];
     for (int c = 0; c < DC; ++c) kc[c] = load16(k + i * k_stride + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * DC * 16;
-      __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), kc[0]), a1 = _mm512_setzero_ps();
-      for (int c = 1; c < DC; ++c) {   // two chains: a dot product is not one long dependency
-        if (c & 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kc[c], a1);
-        else a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), kc[c], a0);
+    for (int g = 0; g < G; ++g) {   // two chains: a dot product is not one long dependency
+      __m512 a0 = _mm512_mul_ps(qr[g][0], kc[0]), a1 = _mm512_mul_ps(qr[g][1], kc[1]);
+      for (int c = 2; c < DC; ++c) {
+        if (c & 1) a1 = _mm512_fmadd_ps(qr[g][c], kc[c], a1);
+        else a0 = _mm512_fmadd_ps(qr[g][c], kc[c], a0);
       }
       partial[g * 16 + i] = _mm512_add_ps(a0, a1);
     }
   }
   const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-  for (int64_t g = 0; g < group; ++g) {
+  for (int g = 0; g < G; ++g) {
     for (int64_t i = n; i < 16; ++i) partial[g * 16 + i] = _mm512_setzero_ps();
     _mm512_mask_storeu_ps(s + g * stride, live, transpose_sum16(partial + g * 16));
   }
 }
 
-// block_values for one kv head read in place, two tokens per pass over each accumulator
+// acc_g += sum_i p_g[i] v_i for n tokens and G query heads (p_g at p + g * stride, acc_g at acc + g * DC * 16)
+template <int DC, int G, typename T>
+inline void tile_values(const float* p, const T* v, int64_t n, int64_t v_stride, float* acc, int64_t stride) {
+  __m512 a[G][DC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * DC + c) * 16);
+  for (int64_t i = 0; i < n; ++i) {
+    __m512 vc[DC];
+    for (int c = 0; c < DC; ++c) vc[c] = load16(v + i * v_stride + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * stride + i]);
+      for (int c = 0; c < DC; ++c) a[g][c] = _mm512_fmadd_ps(pg, vc[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + (g * DC + c) * 16, a[g][c]);
+}
+
+// Calls fn(first head, std::integral_constant<int, G>) over a kv head's `group` query heads in tiles
+// of at most kTile heads: 16 vectors of q or accumulators (a zmm register file holds 32).
+template <int DC>
+constexpr int kTile = DC >= 16 ? 1 : 16 / DC;
+
+template <int DC, int G = kTile<DC>, typename Fn>
+inline void for_tiles(int64_t first, int64_t group, Fn&& fn) {
+  if constexpr (G >= 1) {
+    for (; first + G <= group; first += G) fn(first, std::integral_constant<int, G>{});
+    if (first < group) for_tiles<DC, G - 1>(first, group, fn);   // the remainder, under G heads
+  }
+}
+
+template <int DC, typename T>
+inline void block_scores_direct(const float* q, const T* k, int64_t n, int64_t k_stride, int64_t group, float* s,
+                                int64_t stride, __m512* partial) {
+  for_tiles<DC>(0, group, [&](int64_t g0, auto tile) {
+    tile_scores<DC, decltype(tile)::value>(q + g0 * DC * 16, k, n, k_stride, s + g0 * stride, stride, partial);
+  });
+}
+
 template <int DC, typename T>
 inline void block_values_direct(const float* p, const T* v, int64_t n, int64_t v_stride, int64_t group, float* acc,
                                 int64_t stride) {
-  int64_t i = 0;
-  for (; i + 2 <= n; i += 2) {
-    __m512 v0[DC], v1[DC];
-    for (int c = 0; c < DC; ++c) v0[c] = load16(v + i * v_stride + 16 * c), v1[c] = load16(v + (i + 1) * v_stride + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p0 = _mm512_set1_ps(p[g * stride + i]), p1 = _mm512_set1_ps(p[g * stride + i + 1]);
-      float* ag = acc + g * DC * 16;
-      for (int c = 0; c < DC; ++c)
-        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(p1, v1[c], _mm512_fmadd_ps(p0, v0[c], _mm512_loadu_ps(ag + 16 * c))));
-    }
-  }
-  for (; i < n; ++i) {
-    __m512 v0[DC];
-    for (int c = 0; c < DC; ++c) v0[c] = load16(v + i * v_stride + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const __m512 p0 = _mm512_set1_ps(p[g * stride + i]);
-      float* ag = acc + g * DC * 16;
-      for (int c = 0; c < DC; ++c) _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(p0, v0[c], _mm512_loadu_ps(ag + 16 * c)));
-    }
-  }
+  for_tiles<DC>(0, group, [&](int64_t g0, auto tile) {
+    tile_values<DC, decltype(tile)::value>(p + g0 * stride, v, n, v_stride, acc + g0 * DC * 16, stride);
+  });
 }
 #endif
 

@@ -82,6 +82,16 @@ def test_bf16_rows_at_the_vector_head_dims(op_mode, head_dim, block_size):
            head_dim=head_dim, seed=head_dim + block_size)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (8, 4), (9, 3), (8, 2), (10, 2), (14, 2), (16, 2)])
+def test_every_gqa_group_size_in_register_tiles(op_mode, head_dim, q_heads, kv_heads):
+    """The AVX-512 steps take a kv head's query heads in register tiles (4 at head dim 64, 2 at 128)
+    and the remainder in a smaller tile: groups of 1-8 cover whole tiles and each remainder size."""
+    lens = [1, 16, 17, 40, 129, 300] * 4
+    _check([1] * len(lens), lens, torch.float32, block_size=128, q_heads=q_heads, kv_heads=kv_heads,
+           head_dim=head_dim, seed=q_heads * 10 + kv_heads)
+
+
 def test_one_long_among_many_short(op_mode):
     _check([1] * 40, [5] * 39 + [300], block_size=16, q_heads=4, kv_heads=1, head_dim=32)
 
