@@ -10,12 +10,13 @@ residual add with RMSNorm, SiLU(gate) x up, and rotary embedding. ``cpu_bf16_lin
 bf16 weights in float32 (small steps of ``cpu_linear.PackedLinear`` on CPUs without AMX).
 ``cpu_sampling.cpp`` draws the random rows' tokens (temperature, top-k, min-p, top-p, without a sort).
 ``cpu_prefill_attention.cpp`` runs long prompt chunks' causal attention over a bf16 cache on VDPBF16PS
-(built only where the CPU has AVX512-BF16). All six are compiled into one extension with ``torch.utils.cpp_extension`` the first time a process needs it
+(built only where the CPU has AVX512-BF16). ``cpu_cache_write.cpp`` writes a step's K/V rows into their
+cache slots. All seven are compiled into one extension with ``torch.utils.cpp_extension`` the first time a process needs it
 (tens of seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, keyed by the sources, flags, torch version and CPU flags, since
 ``-march=native`` code must not run on another CPU). Without a C++ compiler, or with
 ``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``, ``logits_stats()``, ``layer_ops()``, ``bf16_linear()``,
-``sampling()`` and ``bf16_prefill()`` return None and torch ops do the same work (``torch_attention``, the sampler's fallbacks, the
+``sampling()``, ``bf16_prefill()`` and ``cache_write()`` return None and torch ops do the same work (``torch_attention``, the sampler's fallbacks, the
 model's torch path, oneDNN's linears).
 """
 from __future__ import annotations
@@ -37,7 +38,8 @@ OP_ENV = "PAGEDMODEL_CPU_ATTENTION_OP"
 OP_ENV_VALUES = ("auto", "off")
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp", HERE / "cpu_layer_ops.cpp",
-           HERE / "cpu_bf16_linear.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_prefill_attention.cpp")
+           HERE / "cpu_bf16_linear.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_prefill_attention.cpp",
+           HERE / "cpu_cache_write.cpp")
 HEADERS = (HERE / "cpu_vector_math.h",)
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
@@ -105,6 +107,11 @@ def bf16_prefill() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.pagedmodel.bf16_prefill_attention`` (``cpu_prefill_attention.cpp``, built with the attention
     op where the build has AVX512-BF16); None if unavailable."""
     return None if load() is None else getattr(torch.ops.pagedmodel, "bf16_prefill_attention", None)
+
+
+def cache_write() -> Callable[..., None] | None:
+    """``torch.ops.pagedmodel.write_kv`` (``cpu_cache_write.cpp``, built with the attention op); None if unavailable."""
+    return None if load() is None else torch.ops.pagedmodel.write_kv
 
 
 def load_error() -> str | None:

@@ -39,7 +39,12 @@ PREFILL_TILE = 64    # query rows per tile of a long chunk's attention (scores o
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V rows ``[T, kv_heads, dim]`` into their cache slots (-1 = skip)."""
+    """Scatter this step's K/V rows ``[T, kv_heads, dim]`` into their cache slots (-1 = skip); on CPU
+    in one C++ call (``cpu_cache_write.cpp``) where the rows are in the cache's dtype."""
+    if kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and slot_mapping.dtype == torch.int64 \
+            and _heads_contiguous(key) and _heads_contiguous(value) and (op := cpu_paged_attention.cache_write()) is not None:
+        op(key, value, kv_cache, slot_mapping)
+        return
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
     if bool((slot_mapping < 0).any()):
@@ -47,6 +52,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def _heads_contiguous(rows: torch.Tensor) -> bool:
+    """Each token's ``[kv_heads, dim]`` one run (tokens may be strided): what the C++ cache write reads."""
+    return rows.dim() == 3 and rows.stride(2) == 1 and rows.stride(1) == rows.shape[2]
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], src_dst: torch.Tensor) -> None:
