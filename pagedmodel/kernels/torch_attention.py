@@ -42,7 +42,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     """Scatter this step's K/V rows ``[T, kv_heads, dim]`` into their cache slots (-1 = skip); on CPU
     in one C++ call (``cpu_cache_write.cpp``) where the rows are in the cache's dtype."""
     if kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and slot_mapping.dtype == torch.int64 \
-            and _heads_contiguous(key) and _heads_contiguous(value) and (op := cpu_paged_attention.cache_write()) is not None:
+            and slot_mapping.is_contiguous() and _heads_contiguous(key) and _heads_contiguous(value) \
+            and (op := cpu_paged_attention.cache_write()) is not None:
         op(key, value, kv_cache, slot_mapping)
         return
     _, num_blocks, block_size, heads, dim = kv_cache.shape

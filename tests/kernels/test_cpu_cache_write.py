@@ -42,6 +42,15 @@ def test_rows_of_another_dtype_are_converted(op_mode):
     assert torch.equal(cache.view(2, 8, 1, 8)[1, [1, 6]], value.bfloat16())
 
 
+def test_a_strided_slot_mapping_keeps_the_torch_path(op_mode):
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    key, value = torch.randn(2, 2, 1, 8).unbind(0)
+    slots = torch.tensor([[1, 0], [6, 0]])[:, 0]   # a column: int64 but not contiguous, which the op refuses
+    torch_attention.write_kv(key, value, cache, slots)
+    assert torch.equal(cache.view(2, 8, 1, 8)[0, [1, 6]], key)
+    assert torch.equal(cache.view(2, 8, 1, 8)[1, [1, 6]], value)
+
+
 def test_the_op_refuses_a_slot_past_the_cache_before_writing():
     op = cpu_paged_attention.cache_write()
     assert op is not None, cpu_paged_attention.load_error()
