@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ModelRunnerOutput:
     sampled: list[ScheduledSequence]   # the sequences whose next token is drawn: row i of logits is sampled[i]'s
-    logits: torch.Tensor               # float32 [len(sampled), vocab]
+    logits: torch.Tensor               # [len(sampled), vocab], float32 or the head's dtype (the sampler widens)
     # seq_id -> (its scheduled entry, log-softmax rows from its first position): prompts that asked for
     # prompt logprobs; row j scores prompt token start + 1 + j
     prompt_logprobs: dict[int, tuple[ScheduledSequence, torch.Tensor]] = field(default_factory=dict)
@@ -158,7 +158,7 @@ class ModelRunner:
             out.prompt_logprobs[s.seq.seq_id] = (s, torch.log_softmax(logits, dim=-1))
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-            out.logits = self.model.compute_logits(hidden[rows])
+            out.logits = self.model.compute_logits(hidden[rows], float32=False)
         return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,

@@ -73,18 +73,32 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     op = cpu_paged_attention.logits_stats() if logits.device.type == "cpu" else None
     if op is not None:
         return op(logits)
+    logits = logits.float()   # the sum in float32 whatever the head's dtype (a no-op for float32)
     best, tokens = logits.max(dim=-1)
     finite = torch.where(torch.isfinite(best), best, torch.zeros_like(best))   # a row of -inf stays -inf, not NaN
     return tokens, finite + (logits - finite[:, None]).exp_().sum(dim=-1).log_()
 
 
+def _reads_narrow_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
+    """Whether ``sample`` can read a bf16 head's logits as they are: every row plain greedy (no grammar,
+    penalty or top logprobs) and the CPU op there to widen each row in cache. It then needs only the
+    argmax, the log-sum-exp (in float32) and the chosen logits, which are exact in bf16; anything else
+    gets the float32 copy first."""
+    if logits.device.type != "cpu" or logits.dtype != torch.bfloat16 or cpu_paged_attention.logits_stats() is None:
+        return False
+    return all(row.params.greedy and row.matcher is None and row.params.logprobs is None and not needs_penalties(row)
+               for row in rows)
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """``logits`` is ``[len(rows), vocab]`` float32 and is modified (grammar masks; penalties work on a
-    copy). Each stage is batched over the rows that need it: one argmax + log-sum-exp pass over the raw
+    """``logits`` is ``[len(rows), vocab]``, float32 or the model's dtype (widened here unless
+    ``_reads_narrow_logits``), and is modified (grammar masks; penalties work on a copy). Each stage is batched over the rows that need it: one argmax + log-sum-exp pass over the raw
     logits (the greedy tokens of plain rows and every row's logprob normaliser), one penalty pass, one
     argmax for the greedy rows that masks or penalties changed, one truncation and draw for the random
     ones (``random_sampling.py``), one gather for the chosen logprobs and one top-k for the rows that
     asked for top logprobs."""
+    if logits.dtype != torch.float32 and not _reads_narrow_logits(logits, rows):
+        logits = logits.float()
     raw_argmax, logsumexp = argmax_logsumexp(logits)
     tops = _top_logprobs(logits, logsumexp, rows)           # before the grammar masks change logits
     grammar_rows = [i for i, row in enumerate(rows) if row.matcher is not None]

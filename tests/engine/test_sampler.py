@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import pytest
 import torch
 
 from pagedmodel.server.engine.args import EngineArgs
@@ -64,6 +65,26 @@ def test_logprobs_are_raw_log_softmax():
     assert set(res.top_logprobs) == {1, 2}
     assert math.isclose(res.top_logprobs[2], float(ref[2]), rel_tol=1e-6)
 
+
+
+def _bf16_rows(kinds: list[str]) -> list[SamplingRow]:
+    params = {"greedy": SamplingParams(temperature=0), "logprobs": SamplingParams(temperature=0, logprobs=3),
+              "penalty": SamplingParams(temperature=0, repetition_penalty=1.3),
+              "random": SamplingParams(temperature=0.8, top_p=0.9, seed=5)}
+    return [SamplingRow(params[k], [1, 2, 3], [4, 5], torch.Generator().manual_seed(i) if k == "random" else None)
+            for i, k in enumerate(kinds)]
+
+
+@pytest.mark.parametrize("kinds", [["greedy"] * 6, ["greedy", "logprobs", "penalty", "random", "greedy"]])
+def test_bf16_logits_sample_like_their_float32_copy(kinds):
+    """A bf16 head's logits reach the sampler as they are (model_runner: compute_logits(float32=False)):
+    plain greedy rows are read in bf16, anything else is widened first; either way the tokens, logprobs
+    and top logprobs are exactly what the float32 copy gives."""
+    logits = (torch.randn(len(kinds), 3000, generator=torch.Generator().manual_seed(1)) * 6).bfloat16()
+    narrow = sample(logits.clone(), _bf16_rows(kinds))
+    wide = sample(logits.float(), _bf16_rows(kinds))
+    assert [(r.token_id, r.logprob, r.top_logprobs) for r in narrow] == [(r.token_id, r.logprob, r.top_logprobs) for r in wide]
+    assert all(math.isfinite(r.logprob) and r.logprob <= 0 for r in narrow)
 
 def _outputs(engine: LLMEngine) -> dict:
     done = {}

@@ -38,3 +38,23 @@ def test_rows_far_below_their_max_underflow_cleanly(op_mode):
     tokens, lse = argmax_logsumexp(logits.clone())
     assert tokens.tolist() == [7, 299]
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 1000, 49152])
+def test_bf16_rows_give_what_their_float32_copy_gives(op_mode, vocab):
+    """A bf16 head's logits, read as they are (each row widened in cache), against the float32 copy the
+    sampler used to make: the same tokens and bit for bit the same log-sum-exp."""
+    logits = (torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 8).bfloat16()
+    logits[3, vocab // 2] = logits[3].max()   # a tie in bf16: the first index still wins
+    tokens, lse = argmax_logsumexp(logits)
+    wide_tokens, wide_lse = argmax_logsumexp(logits.float())
+    assert lse.dtype == torch.float32
+    assert tokens.tolist() == wide_tokens.tolist() == logits.float().argmax(dim=-1).tolist()
+    assert torch.equal(lse, wide_lse)
+
+
+def test_bf16_logits_of_a_non_contiguous_view(op_mode):
+    logits = (torch.randn(8, 300, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()[::2]
+    tokens, lse = argmax_logsumexp(logits)
+    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(logits.float(), dim=-1))
