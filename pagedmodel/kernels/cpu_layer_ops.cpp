@@ -41,7 +41,7 @@ inline float rounded(float x) { return round_to(x, static_cast<T*>(nullptr)); }
 
 // g * sigmoid(g) with one division: g / (1 + e) where e = exp(-|g|) (never above 1), times e for
 // negative g. A division is the loop's slowest instruction (the two-division form, 1/(1+e) or
-// e/(1+e) both computed and one kept, was 1.4x slower on an AMX Xeon), and the bf16 results match.
+// e/(1+e) both computed and one kept, took 1.1x as long on an AMX Xeon), and the bf16 results match.
 inline float silu(float g) {
   const float e = pagedmodel_cpu::exp_nonpositive(-std::fabs(g));
   const float q = g / (1.f + e);
