@@ -1,13 +1,14 @@
 // Per-row argmax and log-sum-exp of a [rows, vocab] float32 or bfloat16 logits matrix, in two passes
-// over each row: what a sampling step needs for its greedy rows (the token) and for every row's chosen-token
-// logprob (logit - logsumexp), without torch's log_softmax writing out the whole [rows, vocab]
-// matrix and a separate argmax reading it again (13-17 ms of a 64-row SmolLM2 step on one thread).
+// over each row: what a sampling step needs for its greedy rows (the token) and for every row's
+// chosen-token logprob (logit - logsumexp), without torch's log_softmax writing out the whole [rows,
+// vocab] matrix and a separate argmax reading it again (13-17 ms of a 64-row SmolLM2 step on one
+// thread).
 //
-// A bf16 matrix (a bf16 head's own output) is widened a row at a time into a buffer that stays in
-// cache: the same values as torch's .float() copy, without writing and re-reading the float32 matrix
-// (that copy alone was 2.8 ms of a 64-row step on an AMX Xeon). Ties go to the lowest index, as
-// torch.argmax does. Built with cpu_paged_attention.cpp into one
-// extension by pagedmodel/kernels/cpu_paged_attention.py; registered as torch.ops.pagedmodel.logits_argmax_logsumexp.
+// A bf16 matrix (a bf16 head's own output) is widened a row at a time into a buffer that stays in cache:
+// the same values as torch's .float() copy, without writing and re-reading the float32 matrix (that copy
+// alone was 2.8 ms of a 64-row step on an AMX Xeon). Ties go to the lowest index, as torch.argmax does.
+// Built with cpu_paged_attention.cpp into one extension by pagedmodel/kernels/cpu_paged_attention.py;
+// registered as torch.ops.pagedmodel.logits_argmax_logsumexp.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -92,11 +92,12 @@ def _reads_narrow_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     """``logits`` is ``[len(rows), vocab]``, float32 or the model's dtype (widened here unless
-    ``_reads_narrow_logits``), and is modified (grammar masks; penalties work on a copy). Each stage is batched over the rows that need it: one argmax + log-sum-exp pass over the raw
-    logits (the greedy tokens of plain rows and every row's logprob normaliser), one penalty pass, one
-    argmax for the greedy rows that masks or penalties changed, one truncation and draw for the random
-    ones (``random_sampling.py``), one gather for the chosen logprobs and one top-k for the rows that
-    asked for top logprobs."""
+    ``_reads_narrow_logits``), and is modified (grammar masks; penalties work on a copy). Each stage is
+    batched over the rows that need it: one argmax + log-sum-exp pass over the raw logits (the greedy
+    tokens of plain rows and every row's logprob normaliser), one penalty pass, one argmax for the greedy
+    rows that masks or penalties changed, one truncation and draw for the random ones
+    (``random_sampling.py``), one gather for the chosen logprobs and one top-k for the rows that asked for
+    top logprobs."""
     if logits.dtype != torch.float32 and not _reads_narrow_logits(logits, rows):
         logits = logits.float()
     raw_argmax, logsumexp = argmax_logsumexp(logits)
