@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,8 @@ LINEAR_ENV_VALUES = ("packed", "bf16", "float32", "off")
 MIN_ROWS = {torch.float32: 8, torch.bfloat16: 1}
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})   # what cpu_bf16_linear.cpp vectorizes with
 PANEL = 32                          # output columns per panel (cpu_bf16_linear.cpp)
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})   # what cpu_amx_linear.cpp runs on
+AMX_TILE_COLS, AMX_TILE_DEPTH = 16, 32   # a weight tile's output and input columns (cpu_amx_linear.cpp)
 
 
 def _choice(env: str | None = None) -> str:
@@ -73,7 +75,8 @@ def bf16_plans(weights: list[torch.Tensor]) -> dict[tuple[int, int], LinearPlan]
     """A ``LinearPlan`` for each shape of these weights: measured here for bf16 weights (``cpu_linear_plan.py``)
     unless the env says ``bf16`` or ``float32``; none for float32 weights (``PackedLinear`` needs none)."""
     weights = [w for w in weights if w.dtype == torch.bfloat16]
-    return choose_plans(weights, _choice(), cpu_paged_attention.bf16_linear() if bf16_panels() else None)
+    return choose_plans(weights, _choice(), cpu_paged_attention.bf16_linear() if bf16_panels() else None,
+                        amx_tiles_op())
 
 
 class Packing(NamedTuple):
@@ -92,6 +95,13 @@ def bf16_panels(flags: frozenset[str] | None = None) -> bool:
     return cpu_paged_attention.bf16_linear() is not None
 
 
+def amx_tiles_op(flags: frozenset[str] | None = None) -> Callable[..., torch.Tensor] | None:
+    """``cpu_amx_linear.cpp``'s op where the CPU has AMX-BF16 and the extension was built with it, else None."""
+    if not AMX_FLAGS <= (cpu_features.cpu_flags() if flags is None else flags):
+        return None
+    return cpu_paged_attention.amx_linear()
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ([N, K] bf16) in ``cpu_bf16_linear.cpp``'s layout: [panels, K/2, 64] int16, zero-padded to
     whole 32-column panels and an even K; in a panel, per input pair (k, k+1), two blocks of 16 columns
@@ -102,6 +112,17 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     padded[:n, :k] = weight
     blocks = padded.view(torch.int16).view(rows // PANEL, 2, PANEL // 2, cols // 2, 2)
     return blocks.permute(0, 3, 1, 2, 4).contiguous().view(rows // PANEL, cols // 2, 2 * PANEL)
+
+
+def pack_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ([N, K] bf16) in ``cpu_amx_linear.cpp``'s layout: [N/16, K/32, 512] int16, zero-padded to whole
+    tiles; tile (n, d) holds, for each input pair (k, k+1) of its 32 columns, the 16 columns' (W[n][k], W[n][k+1])."""
+    n, k = weight.shape
+    rows, cols = -(-n // AMX_TILE_COLS) * AMX_TILE_COLS, -(-k // AMX_TILE_DEPTH) * AMX_TILE_DEPTH
+    padded = weight.new_zeros(rows, cols, dtype=torch.bfloat16)
+    padded[:n, :k] = weight
+    tiles = padded.view(torch.int16).view(rows // AMX_TILE_COLS, AMX_TILE_COLS, cols // AMX_TILE_DEPTH, AMX_TILE_DEPTH // 2, 2)
+    return tiles.permute(0, 2, 3, 1, 4).contiguous().view(rows // AMX_TILE_COLS, cols // AMX_TILE_DEPTH, -1)
 
 
 def applies(weight: torch.Tensor, native_bf16: bool | None = None) -> bool:
@@ -141,10 +162,14 @@ class PackedLinear(nn.Module):
         self._panel_op = cpu_paged_attention.bf16_linear() if self.plan.panel_max_rows else None
         if self.plan.panel_max_rows and self._panel_op is None:
             raise RuntimeError("a plan with the panel op, but the CPU ops extension is not loaded")
+        self._amx_op = amx_tiles_op() if self.plan.amx_max_rows else None
+        if self.plan.amx_max_rows and self._amx_op is None:
+            raise RuntimeError("a plan with the AMX op, but this CPU or the CPU ops extension lacks it")
         reorder = torch.ops.mkldnn._reorder_linear_weight
         float32_copy = self.plan.float32_min_rows is not None
         with torch.no_grad():
             self.panels = pack_panels(self.weight.detach()) if self._panel_op is not None else None
+            self.amx_tiles = pack_amx_tiles(self.weight.detach()) if self._amx_op is not None else None
             self.packed = reorder(self.weight.detach(), None) if self.plan.needs_bf16_pack() else None
             self.packed32 = reorder(self.weight.detach().float(), None) if float32_copy else None
             float32_paths = self.panels is not None or float32_copy   # the paths that add the bias in float32
@@ -162,8 +187,10 @@ class PackedLinear(nn.Module):
         rows = x.shape[0] if x.dim() == 2 else 0
         if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        if rows <= self.plan.panel_max_rows:   # no oneDNN primitive per shape: no padding either
+        if rows <= self.plan.panel_max_rows:   # neither op builds a primitive per shape: no padding
             return self._panel_op(x, self.panels, self.out_features, self.bias32, self.float_output)
+        if rows <= self.plan.amx_max_rows:
+            return self._amx_op(x, self.amx_tiles, self.out_features, self.bias, self.float_output)
         wide = self.packed32 is not None and rows >= self.plan.float32_min_rows
         padded = padded_rows(rows)
         if padded != rows:   # the extra rows' outputs are computed and dropped

@@ -30,7 +30,7 @@ log = logging.getLogger("pagedmodel.kernels.cpu_linear")
 
 FLOAT32_GEMM_MIN_ROWS = 32          # float32 copies, where they pay, serve steps of at least this many rows
 FLOAT32_COPY_BUDGET = 4 << 30       # bytes of float32 weight copies a model may add
-MEASURED_ROWS = (1, 2, 4, 8, 16, 64)
+MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PANEL_ROWS_LIMIT = 16               # the panel op is measured (and used) up to here, or up to the float32 split
 FLOAT32_MARGIN = 0.85               # float32 copies cost 4 bytes a parameter: take them only for a clear win
 MIN_TIMED_SECONDS = 2e-3            # each measurement repeats a call for at least this long
@@ -41,13 +41,17 @@ class LinearPlan:
     """The GEMM for each step size of a bf16 ``PackedLinear``; the rows no rule claims use oneDNN's bf16 GEMM."""
     panel_max_rows: int = 0                 # steps of 1..panel_max_rows rows: the panel op (0: never)
     float32_min_rows: int | None = None     # steps of at least this many rows: a float32 copy (None: never)
+    amx_max_rows: int = 0                   # steps past the panel op's up to this many rows: the AMX op (0: never)
 
     def needs_bf16_pack(self) -> bool:
         """Whether some row count is left to oneDNN's bf16 GEMM (else its packed copy is not made)."""
-        return self.float32_min_rows is None or self.panel_max_rows < self.float32_min_rows - 1
+        small = max(self.panel_max_rows, self.amx_max_rows)
+        return self.float32_min_rows is None or small < self.float32_min_rows - 1
 
     def describe(self) -> str:
         parts = [f"panel op for 1-{self.panel_max_rows} rows"] if self.panel_max_rows else []
+        if self.amx_max_rows > self.panel_max_rows:
+            parts.append(f"AMX op for {self.panel_max_rows + 1}-{self.amx_max_rows} rows")
         if self.needs_bf16_pack():
             parts.append("oneDNN bf16 GEMM" + (" for the rest" if parts else ""))
         if self.float32_min_rows is not None:
@@ -57,24 +61,41 @@ class LinearPlan:
 
 FIXED_FLOAT32_SPLIT = LinearPlan(panel_max_rows=FLOAT32_GEMM_MIN_ROWS - 1, float32_min_rows=FLOAT32_GEMM_MIN_ROWS)
 
-Timings = dict[str, dict[int, float]]   # candidate ("bf16", "float32", "panel") -> rows -> seconds a call
+Timings = dict[str, dict[int, float]]   # candidate ("bf16", "float32", "panel", "amx") -> rows -> seconds a call
 
 
 def plan_from(timings: Timings) -> LinearPlan:
     """The plan these timings call for: float32 copies from ``FLOAT32_GEMM_MIN_ROWS`` rows if they beat the
     bf16 GEMM clearly at the largest measured step; the panel op for the smallest steps while it beats the
-    bf16 GEMM at each measured row count (and right up to the float32 split if it wins up to its limit)."""
+    bf16 GEMM and the AMX op at each measured row count (and right up to the float32 split if it wins up
+    to its limit); then the AMX op while it beats what would serve each measured count (``amx_rows``)."""
     bf16, float32, panel = timings["bf16"], timings.get("float32", {}), timings.get("panel", {})
+    amx = timings.get("amx", {})
     largest = max(bf16)
     use_float32 = largest in float32 and float32[largest] < FLOAT32_MARGIN * bf16[largest]
     panel_max = 0
     for rows in sorted(r for r in bf16 if r <= PANEL_ROWS_LIMIT):
-        if rows not in panel or panel[rows] >= bf16[rows]:
+        if rows not in panel or panel[rows] >= min(bf16[rows], amx.get(rows, float("inf"))):
             break
         panel_max = rows
     if use_float32 and panel_max == PANEL_ROWS_LIMIT:
         panel_max = FLOAT32_GEMM_MIN_ROWS - 1   # no bf16 copy just for the rows between the two
-    return LinearPlan(panel_max_rows=panel_max, float32_min_rows=FLOAT32_GEMM_MIN_ROWS if use_float32 else None)
+    return LinearPlan(panel_max_rows=panel_max, float32_min_rows=FLOAT32_GEMM_MIN_ROWS if use_float32 else None,
+                      amx_max_rows=amx_rows(timings, panel_max, use_float32))
+
+
+def amx_rows(timings: Timings, panel_max: int, use_float32: bool) -> int:
+    """The largest measured row count up to which the AMX op beats, at every measured count past the panel
+    op's, the GEMM the plan would use otherwise (0: never, or not measured)."""
+    amx, best = timings.get("amx", {}), 0
+    for rows in sorted(r for r in timings["bf16"] if r > panel_max):
+        rivals = [timings["bf16"][rows]]
+        if use_float32 and rows >= FLOAT32_GEMM_MIN_ROWS and rows in timings.get("float32", {}):
+            rivals.append(timings["float32"][rows])
+        if rows not in amx or amx[rows] >= min(rivals):
+            break
+        best = rows
+    return best
 
 
 def _seconds_per_call(fn: Callable[[], object]) -> float:
@@ -93,10 +114,10 @@ def _seconds_per_call(fn: Callable[[], object]) -> float:
 
 
 def measure(out_features: int, in_features: int, panel_op: Callable | None,
-            rows_list: tuple[int, ...] = MEASURED_ROWS, float32: bool = True) -> Timings:
+            rows_list: tuple[int, ...] = MEASURED_ROWS, float32: bool = True, amx_op: Callable | None = None) -> Timings:
     """Seconds a call of each candidate GEMM takes here on a random bf16 [out_features, in_features] weight
     (``float32``: the float32 copy too)."""
-    from .cpu_linear import pack_panels   # the layout lives with the layer that uses it
+    from .cpu_linear import pack_amx_tiles, pack_panels   # the layouts live with the layer that uses them
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
@@ -105,7 +126,8 @@ def measure(out_features: int, in_features: int, panel_op: Callable | None,
         packed = reorder(weight, None)
         packed32 = reorder(weight.float(), None) if float32 else None
         panels = pack_panels(weight) if panel_op is not None else None
-        timings: Timings = {"bf16": {}, "float32": {}, "panel": {}}
+        tiles = pack_amx_tiles(weight) if amx_op is not None else None
+        timings: Timings = {"bf16": {}, "float32": {}, "panel": {}, "amx": {}}
         for rows in rows_list:
             x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
             timings["bf16"][rows] = _seconds_per_call(lambda: linear(x, packed, None, "none", [], ""))
@@ -114,11 +136,13 @@ def measure(out_features: int, in_features: int, panel_op: Callable | None,
                     lambda: linear(x.float(), packed32, None, "none", [], "").to(torch.bfloat16))
             if panels is not None and rows <= PANEL_ROWS_LIMIT:
                 timings["panel"][rows] = _seconds_per_call(lambda: panel_op(x, panels, out_features, None, False))
+            if tiles is not None:
+                timings["amx"][rows] = _seconds_per_call(lambda: amx_op(x, tiles, out_features, None, False))
     return timings
 
 
-def choose_plans(weights: list[torch.Tensor], choice: str,
-                 panel_op: Callable | None) -> dict[tuple[int, int], LinearPlan]:
+def choose_plans(weights: list[torch.Tensor], choice: str, panel_op: Callable | None,
+                 amx_op: Callable | None = None) -> dict[tuple[int, int], LinearPlan]:
     """A plan for each shape of these bf16 weights under ``PAGEDMODEL_CPU_LINEAR=choice`` (``packed``: each
     shape measured here, once: a decoder layer's projections and the wide head differ)."""
     shapes = sorted({tuple(w.shape) for w in weights})
@@ -134,7 +158,7 @@ def choose_plans(weights: list[torch.Tensor], choice: str,
         return {shape: plan for shape in shapes}
     plans = {}
     for out_features, in_features in shapes:
-        timings = measure(out_features, in_features, panel_op, float32=fits)   # no copies past the budget
+        timings = measure(out_features, in_features, panel_op, float32=fits, amx_op=amx_op)   # no copies past the budget
         plans[out_features, in_features] = plan = plan_from(timings)
         log.info("bf16 %dx%d linears (ms a call by rows): %s -> %s", out_features, in_features,
                  "; ".join(f"{name} " + " ".join(f"{r}:{t * 1e3:.3f}" for r, t in by_rows.items())

@@ -11,12 +11,15 @@ bf16 weights in float32 (small steps of ``cpu_linear.PackedLinear`` on CPUs with
 ``cpu_sampling.cpp`` draws the random rows' tokens (temperature, top-k, min-p, top-p, without a sort).
 ``cpu_prefill_attention.cpp`` runs long prompt chunks' causal attention over a bf16 cache on VDPBF16PS
 (built only where the CPU has AVX512-BF16). ``cpu_cache_write.cpp`` writes a step's K/V rows into their
-cache slots. All seven are compiled into one extension with ``torch.utils.cpp_extension`` the first time a process needs it
+cache slots. ``cpu_amx_linear.cpp`` multiplies bf16 weights on AMX tiles (small steps of ``PackedLinear`` on
+CPUs with AMX; built only there). All eight are compiled into one extension with
+``torch.utils.cpp_extension`` the first time a process needs it
 (tens of seconds, once per machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``, keyed by the sources, flags, torch version and CPU flags, since
 ``-march=native`` code must not run on another CPU). Without a C++ compiler, or with
 ``PAGEDMODEL_CPU_ATTENTION_OP=off``, ``load()``, ``logits_stats()``, ``layer_ops()``, ``bf16_linear()``,
-``sampling()``, ``bf16_prefill()`` and ``cache_write()`` return None and torch ops do the same work (``torch_attention``, the sampler's fallbacks, the
+``amx_linear()``, ``sampling()``, ``bf16_prefill()`` and ``cache_write()`` return None and torch ops do the
+same work (``torch_attention``, the sampler's fallbacks, the
 model's torch path, oneDNN's linears).
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ OP_ENV_VALUES = ("auto", "off")
 HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp", HERE / "cpu_layer_ops.cpp",
            HERE / "cpu_bf16_linear.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_prefill_attention.cpp",
-           HERE / "cpu_cache_write.cpp")
+           HERE / "cpu_cache_write.cpp", HERE / "cpu_amx_linear.cpp")
 HEADERS = (HERE / "cpu_vector_math.h",)
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
@@ -95,6 +98,12 @@ def bf16_linear() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.pagedmodel.bf16_weight_linear`` (``cpu_bf16_linear.cpp``, built with the attention op);
     None if unavailable."""
     return None if load() is None else torch.ops.pagedmodel.bf16_weight_linear
+
+
+def amx_linear() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.pagedmodel.amx_bf16_linear`` (``cpu_amx_linear.cpp``, built with the attention op where the
+    build targets AMX-BF16); None if unavailable."""
+    return None if load() is None else getattr(torch.ops.pagedmodel, "amx_bf16_linear", None)
 
 
 def sampling() -> Callable[..., torch.Tensor] | None:

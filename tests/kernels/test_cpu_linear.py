@@ -67,12 +67,17 @@ def test_bf16_packed_matches_f_linear_from_one_row(rows, monkeypatch):
 
 
 PLANS = {"split": FIXED_FLOAT32_SPLIT, "panel_1": LinearPlan(panel_max_rows=1),
-         "bf16": LinearPlan(), "bf16_then_f32": LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS)}
+         "bf16": LinearPlan(), "bf16_then_f32": LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS),
+         "panel_1_amx_64": LinearPlan(panel_max_rows=1, amx_max_rows=64)}
+needs_amx = pytest.mark.skipif(not cpu_linear.AMX_FLAGS <= cpu_linear.cpu_features.cpu_flags(),
+                               reason="no AMX-BF16 on this CPU: the AMX op is not built")
 
 
 def _path_for(plan: LinearPlan, rows: int) -> str:
     if rows <= plan.panel_max_rows:
         return "panel"
+    if rows <= plan.amx_max_rows:
+        return "amx"
     return "float32" if plan.float32_min_rows is not None and rows >= plan.float32_min_rows else "bf16"
 
 
@@ -87,6 +92,8 @@ def test_bf16_layers_follow_their_plan(rows, float_output, plan_name, monkeypatc
     plan = PLANS[plan_name]
     if plan.panel_max_rows and cpu_paged_attention.bf16_linear() is None:
         pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+    if plan.amx_max_rows and cpu_linear.amx_tiles_op() is None:
+        pytest.skip("no AMX-BF16 here: no plan would name the AMX op")
     onednn = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(cpu_linear.torch.ops.mkldnn, "_linear_pointwise",
@@ -99,10 +106,11 @@ def test_bf16_layers_follow_their_plan(rows, float_output, plan_name, monkeypatc
         layer = PackedLinear(w, b, plan=plan, float_output=float_output)
         got = layer(x)
     assert (layer.panels is not None) == (plan.panel_max_rows > 0)
+    assert (layer.amx_tiles is not None) == (plan.amx_max_rows > 0)
     assert (layer.packed32 is not None) == (plan.float32_min_rows is not None)
     assert (layer.packed is None) == (plan_name == "split")   # the split leaves no rows to the bf16 GEMM
     path = _path_for(plan, rows)
-    assert onednn == {"panel": [], "float32": [torch.float32], "bf16": [torch.bfloat16]}[path]
+    assert onednn == {"panel": [], "amx": [], "float32": [torch.float32], "bf16": [torch.bfloat16]}[path]
     float32_arithmetic = path != "bf16"
     assert got.shape == (rows, 96)
     assert got.dtype == (torch.float32 if float32_arithmetic and float_output else torch.bfloat16)
@@ -156,6 +164,64 @@ def test_panels_need_avx512_and_the_op():
     assert cpu_linear.bf16_panels(frozenset(cpu_linear.AVX512_FLAGS)) == (cpu_paged_attention.bf16_linear() is not None)
 
 
+def test_amx_tiles_hold_each_weight_where_the_tile_unit_reads_it():
+    """Tile (n, d), row r, column c holds (W[16n + c][32d + 2r], W[16n + c][32d + 2r + 1]); padding is zero."""
+    w = torch.arange(1, 40 * 70 + 1, dtype=torch.float32).view(40, 70).bfloat16()   # N, K not whole tiles
+    tiles = cpu_linear.pack_amx_tiles(w)
+    assert tiles.shape == (3, 3, 512) and tiles.dtype == torch.int16
+    as_bf16 = tiles.view(torch.bfloat16).view(3, 3, 16, 16, 2)
+    for n, k in [(0, 0), (17, 33), (39, 69), (31, 64)]:
+        assert as_bf16[n // 16, k // 32, (k % 32) // 2, n % 16, k % 2] == w[n, k]
+    assert as_bf16[2, :, :, 8:].abs().sum() == 0 and as_bf16[:, 2, 3:].abs().sum() == 0   # rows 40-47, cols 70-95
+
+
+def _amx_op():
+    op = cpu_linear.amx_tiles_op()
+    if op is None:
+        pytest.fail(f"a CPU with AMX-BF16, but the AMX op did not build: {cpu_paged_attention.load_error()}")
+    return op
+
+
+@needs_amx
+@pytest.mark.parametrize("out_features, in_features", [(96, 64), (50, 33), (31, 7), (960, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_op_is_the_float32_product_of_the_bf16_values(out_features, in_features, rows, bias):
+    """``cpu_amx_linear.cpp`` over ``pack_amx_tiles``: partial tiles in N and K, row tiles and groups of
+    four and their remainders, bias; float32 out to float32 precision, bf16 out rounded once."""
+    op = _amx_op()
+    g = torch.Generator().manual_seed(rows * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    tiles = cpu_linear.pack_amx_tiles(w)
+    exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+    got32 = op(x, tiles, out_features, b, True)
+    assert got32.dtype == torch.float32 and got32.shape == (rows, out_features)
+    torch.testing.assert_close(got32, exact, rtol=1e-5, atol=1e-4)
+    got16 = op(x, tiles, out_features, b, False)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), exact.bfloat16().float(), rtol=2 ** -7, atol=1e-4)
+
+
+@needs_amx
+def test_amx_op_rejects_mismatched_shapes():
+    op = _amx_op()
+    tiles = cpu_linear.pack_amx_tiles(torch.randn(64, 40).bfloat16())
+    with pytest.raises(RuntimeError, match="x has 70 columns"):
+        op(torch.randn(2, 70).bfloat16(), tiles, 64, None, False)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        op(torch.randn(2, 40).bfloat16(), tiles, 65, None, False)
+    with pytest.raises(RuntimeError, match="bias has 3 values"):
+        op(torch.randn(2, 40).bfloat16(), tiles, 64, torch.zeros(3), False)
+    with pytest.raises(RuntimeError, match="contiguous int16"):
+        op(torch.randn(2, 40).bfloat16(), tiles.float(), 64, None, False)
+
+
+def test_the_amx_op_needs_amx_on_the_cpu():
+    assert cpu_linear.amx_tiles_op(frozenset({"avx512f", "avx512_bf16"})) is None
+
+
 def _timings(bf16: dict, float32: dict, panel: dict) -> cpu_linear_plan.Timings:
     return {"bf16": bf16, "float32": float32, "panel": panel}
 
@@ -181,17 +247,40 @@ def test_the_plan_follows_the_measured_gemms():
     assert cpu_linear_plan.plan_from(close).float32_min_rows is None
 
 
+def test_the_amx_op_takes_the_rows_it_wins_after_the_panel_op():
+    rows = (1, 2, 4, 8, 16, 32, 64)
+    amx_xeon = {"bf16": dict(zip(rows, (0.27, 0.26, 0.27, 0.28, 0.28, 0.51, 0.60))),
+                "float32": {64: 2.2},
+                "panel": dict(zip(rows[:5], (0.16, 0.17, 0.23, 0.38, 0.73))),
+                "amx": dict(zip(rows, (0.17, 0.17, 0.18, 0.18, 0.20, 0.26, 0.47)))}
+    # ms a call, the 3072x576 gate/up on an AMX Xeon: the panel op wins at 1 row only, AMX from 2 to 64
+    assert cpu_linear_plan.plan_from(amx_xeon) == LinearPlan(panel_max_rows=1, amx_max_rows=64)
+    amx_xeon["amx"][32] = 0.52   # AMX loses at 32: oneDNN's bf16 GEMM from 17 rows
+    assert cpu_linear_plan.plan_from(amx_xeon) == LinearPlan(panel_max_rows=1, amx_max_rows=16)
+    amx_xeon["float32"][64] = 0.40   # a float32 copy that wins at 64 takes the steps AMX loses there
+    amx_xeon["amx"][32] = 0.26
+    assert cpu_linear_plan.plan_from(amx_xeon) == LinearPlan(panel_max_rows=1, amx_max_rows=32,
+                                                             float32_min_rows=FLOAT32_GEMM_MIN_ROWS)
+    del amx_xeon["panel"], amx_xeon["float32"][64]
+    assert cpu_linear_plan.plan_from(amx_xeon) == LinearPlan(amx_max_rows=64)
+    amx_xeon["amx"][1] = 0.30   # losing at one row is losing from the start
+    assert cpu_linear_plan.plan_from(amx_xeon) == LinearPlan()
+
+
 def test_plans_say_what_they_use():
     assert FIXED_FLOAT32_SPLIT.describe() == "panel op for 1-31 rows, float32 GEMMs from 32 rows"
     assert LinearPlan(panel_max_rows=1).describe() == "panel op for 1-1 rows, oneDNN bf16 GEMM for the rest"
     assert LinearPlan().describe() == "oneDNN bf16 GEMM"
+    assert LinearPlan(panel_max_rows=2, amx_max_rows=64).describe() == \
+        "panel op for 1-2 rows, AMX op for 3-64 rows, oneDNN bf16 GEMM for the rest"
 
 
 @bf16_packs
 def test_measuring_times_every_candidate_and_plans_each_shape(caplog):
-    op = cpu_paged_attention.bf16_linear()
-    timings = cpu_linear_plan.measure(96, 64, op, rows_list=(1, 4, 64))
+    op, amx = cpu_paged_attention.bf16_linear(), cpu_linear.amx_tiles_op()
+    timings = cpu_linear_plan.measure(96, 64, op, rows_list=(1, 4, 64), amx_op=amx)
     assert set(timings["bf16"]) == {1, 4, 64} and set(timings["float32"]) == {64}
+    assert set(timings["amx"]) == ({1, 4, 64} if amx is not None else set())
     assert cpu_linear_plan.measure(96, 64, None, rows_list=(1, 64), float32=False)["float32"] == {}
     assert set(timings["panel"]) == ({1, 4} if op is not None else set())
     assert all(t > 0 for by_rows in timings.values() for t in by_rows.values())
