@@ -30,6 +30,7 @@ log = logging.getLogger("pagedmodel.kernels.cpu_linear")
 
 FLOAT32_GEMM_MIN_ROWS = 32          # float32 copies, where they pay, serve steps of at least this many rows
 FLOAT32_COPY_BUDGET = 4 << 30       # bytes of float32 weight copies a model may add
+AMX_COPY_BUDGET = 4 << 30           # bytes of AMX tile copies (bf16, beside oneDNN's packed copy) a model may add
 MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PANEL_ROWS_LIMIT = 16               # the panel op is measured (and used) up to here, or up to the float32 split
 FLOAT32_MARGIN = 0.85               # float32 copies cost 4 bytes a parameter: take them only for a clear win
@@ -147,6 +148,9 @@ def choose_plans(weights: list[torch.Tensor], choice: str, panel_op: Callable | 
     shape measured here, once: a decoder layer's projections and the wide head differ)."""
     shapes = sorted({tuple(w.shape) for w in weights})
     fits = sum(w.numel() for w in weights) * 4 <= FLOAT32_COPY_BUDGET
+    if amx_op is not None and sum(w.numel() for w in weights) * 2 > AMX_COPY_BUDGET:
+        log.warning("AMX tile copies of the linears would pass %d GiB: no AMX op", AMX_COPY_BUDGET >> 30)
+        amx_op = None
     if choice == "bf16" or not weights:
         return {shape: LinearPlan() for shape in shapes}
     if choice == "float32":

@@ -310,6 +310,17 @@ def test_the_env_skips_the_measurement_and_the_budget_bounds_float32_copies(monk
     assert cpu_linear.bf16_plans([torch.zeros(8, 8)]) == {}   # float32 weights need none
 
 
+def test_the_amx_op_is_measured_only_within_its_copies_budget(monkeypatch):
+    seen = []
+    monkeypatch.setattr(cpu_linear_plan, "measure", lambda *a, amx_op=None, **k: seen.append(amx_op) or
+                        _timings({1: 1.0, 64: 2.0}, {}, {}))
+    small, amx = [torch.zeros(8, 8, dtype=torch.bfloat16)], object()
+    cpu_linear_plan.choose_plans(small, "packed", None, amx)
+    monkeypatch.setattr(cpu_linear_plan, "AMX_COPY_BUDGET", 8 * 8 * 2 - 1)
+    cpu_linear_plan.choose_plans(small, "packed", None, amx)
+    assert seen == [amx, None]
+
+
 def test_bf16_is_packed_only_with_native_bf16():
     w = torch.zeros(4, 4, dtype=torch.bfloat16)
     assert not cpu_linear.applies(w, native_bf16=False)
