@@ -16,7 +16,8 @@ serving engine's are: then the reads come from DRAM, not from the last-level cac
 ``--prefill`` times a long chunk's attention instead (whole prompts of 512 and 1,500 tokens, and a
 512-token chunk at the end of a 1,500-token context): ``torch_attention.prefill_attention`` (float32
 tiles of query rows, each over the keys it can see) against one SDPA call over the whole chunk with a
-bottom-right causal mask, which is what it replaced.
+bottom-right causal mask, which is what it replaced; with ``--dtype bfloat16``, also each C++ prefill op
+this CPU has (VDPBF16PS, AMX) on its own.
 
 ``--block-sizes`` times the C++ row op on a decode batch shaped like the mixed workload's (27 rows,
 lognormal contexts, ~11k tokens in all) for each block size, cycling through ``--layers`` caches of
@@ -81,18 +82,32 @@ def sdpa_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     return out.transpose(0, 1)
 
 
+def prefill_ops(dtype: torch.dtype) -> dict:
+    """The C++ prefill ops this CPU has, timed one by one (``prefill_attention`` takes the fastest)."""
+    if dtype != torch.bfloat16:
+        return {}
+    found = {"VDPBF16PS op": cpu_paged_attention.bf16_prefill(), "AMX op": cpu_paged_attention.amx_prefill()}
+    return {name: op for name, op in found.items() if op is not None}
+
+
 def prefill_cost(args, shapes: dict) -> dict:
     results = {}
     print(f"long-chunk attention, {args.dtype}, {args.threads} threads; ms per layer call")
+    ops = prefill_ops(shapes["dtype"])
     for q_len, seq_len in ((512, 512), (1500, 1500), (512, 1500)):
         b = make_batch([q_len], [seq_len], **shapes)
         query, table = b.query, b.meta.block_tables[0]
         old = time_ms(lambda: sdpa_prefill(query, b.kv_cache, table, seq_len, 64 ** -0.5), args.reps)
         new = time_ms(lambda: torch_attention.prefill_attention(query, b.kv_cache, table, seq_len, 64 ** -0.5),
                       args.reps)
-        results[f"{q_len}/{seq_len}"] = {"sdpa_ms": old, "tiled_ms": new, "speedup": old / new}
+        row = {"sdpa_ms": old, "tiled_ms": new, "speedup": old / new}
+        for name, op in ops.items():
+            args_ = (query.contiguous(), b.kv_cache, table.to(torch.int32).contiguous(), seq_len, 64 ** -0.5)
+            row[f"{name} ms"] = time_ms(lambda: op(*args_), args.reps)
+        results[f"{q_len}/{seq_len}"] = row
+        each = "".join(f"  {name} {row[f'{name} ms']:8.2f}" for name in ops)
         print(f"  {q_len:5d} rows over {seq_len:5d} tokens: one SDPA call {old:8.2f}  tiled {new:8.2f}  "
-              f"({old / new:.1f}x)")
+              f"({old / new:.1f}x){each}")
     return results
 
 

@@ -23,11 +23,9 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx_tiles.h"
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -39,30 +37,6 @@ constexpr int64_t kTileDepth = 32;   // input columns of a tile (16 bf16 pairs)
 constexpr int64_t kTileElems = 512;  // int16 values in a 1 KB tile
 constexpr int kRowTiles = 4;         // 16-row tiles of x on one weight tile (accumulators 0-3)
 constexpr int kPrefetchTiles = 4;    // weight tiles asked for ahead of the one being multiplied
-
-// Linux hands out AMX's 8 KB of tile state only to processes that ask (arch_prctl); oneDNN asks too.
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 accumulate 16 x 16 float32 outputs, 4-5 hold x tiles, 6 the weight tile: all 16 rows of 64 bytes.
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = 16;
-    config.bytes_per_row[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 struct Problem {
   const uint16_t* x_tiles;  // [row tiles, depth tiles, 512]
@@ -160,7 +134,7 @@ at::Tensor amx_bf16_linear(const at::Tensor& x_in, const at::Tensor& w_tiles, in
               " columns, the weight ", depth_tiles * kTileDepth);
   TORCH_CHECK(out_features > (w_tiles.size(0) - 1) * kTileCols && out_features <= w_tiles.size(0) * kTileCols,
               "amx_bf16_linear: ", out_features, " outputs do not fit ", w_tiles.size(0), " column tiles");
-  TORCH_CHECK(amx_permitted(), "amx_bf16_linear: the kernel refused AMX tile state (arch_prctl)");
+  TORCH_CHECK(pagedmodel_amx::permitted(), "amx_bf16_linear: the kernel refused AMX tile state (arch_prctl)");
   const at::Tensor x = x_in.to(at::kBFloat16).contiguous();
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
@@ -176,7 +150,7 @@ at::Tensor amx_bf16_linear(const at::Tensor& x_in, const at::Tensor& w_tiles, in
                   row_tiles, rows, out_features, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr(),
                   float_output};
   at::parallel_for(0, w_tiles.size(0), 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();   // tile state is per thread
+    pagedmodel_amx::configure(7);   // 0-3 accumulators, 4-5 x tiles, 6 the weight tile
     for (int64_t col = begin; col < end; ++col)
       for (int64_t t = 0; t < row_tiles; t += kRowTiles)
         column_tile(p, col, t, static_cast<int>(std::min<int64_t>(kRowTiles, row_tiles - t)));

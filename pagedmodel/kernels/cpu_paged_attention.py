@@ -43,7 +43,7 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp", HERE / "cpu_layer_ops.cpp",
            HERE / "cpu_bf16_linear.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_prefill_attention.cpp",
            HERE / "cpu_cache_write.cpp", HERE / "cpu_amx_linear.cpp")
-HEADERS = (HERE / "cpu_vector_math.h",)
+HEADERS = (HERE / "cpu_vector_math.h", HERE / "cpu_amx_tiles.h")
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
 
@@ -116,6 +116,12 @@ def bf16_prefill() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.pagedmodel.bf16_prefill_attention`` (``cpu_prefill_attention.cpp``, built with the attention
     op where the build has AVX512-BF16); None if unavailable."""
     return None if load() is None else getattr(torch.ops.pagedmodel, "bf16_prefill_attention", None)
+
+
+def amx_prefill() -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.pagedmodel.amx_prefill_attention`` (``cpu_prefill_attention.cpp`` on AMX tiles, built with the
+    attention op where the build targets AMX-BF16); None if unavailable."""
+    return None if load() is None else getattr(torch.ops.pagedmodel, "amx_prefill_attention", None)
 
 
 def cache_write() -> Callable[..., None] | None:

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_amx_tiles.h"
 #include "cpu_vector_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -91,20 +92,43 @@ void tile_scores(const uint32_t* const* q, const uint32_t* packed_keys, int64_t 
   }
 }
 
+// e^x for 16 lanes of x <= 0: pagedmodel_cpu::exp_nonpositive's polynomial, spelled in AVX-512 so that
+// the softmax below is one pass of a few vector ops per 16 scores (the compiler's vectorization of the
+// scalar helper, plus separate passes for the sum and the bf16 rounding, was half of the AMX op's time).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
 // One row's softmax over its visible keys [0, visible), written as unnormalised bf16 weights up to
 // `keys` (zeros past `visible`); returns the weights' sum (of the float32 values before rounding).
-float row_softmax(float* s, int64_t visible, int64_t keys, float scale, uint16_t* weights) {
-  const float m = pagedmodel_cpu::row_max(s, visible);
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t j = 0; j < visible; ++j) {
-    s[j] = pagedmodel_cpu::exp_nonpositive((s[j] - m) * scale);
-    total += s[j];
+float row_softmax(const float* s, int64_t visible, int64_t keys, float scale, uint16_t* weights) {
+  __m512 top = _mm512_set1_ps(s[0]);
+  int64_t j = 0;
+  for (; j + 16 <= visible; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (visible - j)) - 1);
+  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + j));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top)), factor = _mm512_set1_ps(scale);
+  __m512 total = _mm512_setzero_ps();
+  for (j = 0; j < keys; j += 16) {
+    const int64_t live = std::clamp<int64_t>(visible - j, 0, 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m), factor)));
+    total = _mm512_add_ps(total, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j), (__m256i)_mm512_cvtneps_pbh(e));   // nearest even
   }
-#pragma omp simd
-  for (int64_t j = 0; j < visible; ++j) weights[j] = pagedmodel_cpu::bf16_bits(s[j]);
-  std::fill(weights + visible, weights + keys, uint16_t{0});
-  return total;
+  return _mm512_reduce_add_ps(total);
 }
 
 // out_r[d] = sum_j w_r[j] v_j[d] / sums[r] for the tile's rows, 64 dims (4 vectors) per pass over the keys
@@ -137,41 +161,60 @@ void tile_values(const uint16_t* weights, int64_t ld, const uint32_t* packed_val
   }
 }
 
-at::Tensor bf16_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                  int64_t seq_len, double scale) {
-  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 1, "bf16_prefill_attention: bad ranks");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16,
-              "bf16_prefill_attention: query and cache must be bfloat16");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt, "bf16_prefill_attention: block_table must be int32");
-  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous(),
-              "bf16_prefill_attention: inputs must be contiguous");
+// The inputs' shape, checked; `key_multiple` is what the packed context is rounded up to.
+Shape checked_shape(const char* op, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                    int64_t seq_len, double scale, int64_t key_multiple) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_table.dim() == 1, op, ": bad ranks");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16, op,
+              ": query and cache must be bfloat16");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt, op, ": block_table must be int32");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous(), op,
+              ": inputs must be contiguous");
   Shape s{query.size(0), query.size(1), kv_cache.size(3), query.size(2), kv_cache.size(2), seq_len,
           seq_len - query.size(0), 0};
-  s.keys = (seq_len + kKeys - 1) / kKeys * kKeys;
-  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == s.dim && s.q_heads % s.kv_heads == 0 && s.dim % 64 == 0,
-              "bf16_prefill_attention: shape mismatch (head dim must be a multiple of 64)");
-  TORCH_CHECK(scale > 0, "bf16_prefill_attention: scale must be positive, got ", scale);
-  TORCH_CHECK(s.q_len >= 1 && s.first_key >= 0, "bf16_prefill_attention: ", s.q_len, " query rows over a context of ",
-              seq_len);
+  s.keys = (seq_len + key_multiple - 1) / key_multiple * key_multiple;
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == s.dim && s.q_heads % s.kv_heads == 0 && s.dim % 64 == 0, op,
+              ": shape mismatch (head dim must be a multiple of 64)");
+  TORCH_CHECK(scale > 0, op, ": scale must be positive, got ", scale);
+  TORCH_CHECK(s.q_len >= 1 && s.first_key >= 0, op, ": ", s.q_len, " query rows over a context of ", seq_len);
   const int64_t blocks = (seq_len + s.block_size - 1) / s.block_size;
-  TORCH_CHECK(blocks <= block_table.numel(), "bf16_prefill_attention: context of ", seq_len, " needs ", blocks,
-              " blocks, the table has ", block_table.numel());
+  TORCH_CHECK(blocks <= block_table.numel(), op, ": context of ", seq_len, " needs ", blocks, " blocks, the table has ",
+              block_table.numel());
   const int32_t* table = block_table.data_ptr<int32_t>();
   for (int64_t b = 0; b < blocks; ++b)
-    TORCH_CHECK(table[b] >= 0 && table[b] < kv_cache.size(1), "bf16_prefill_attention: block id ", table[b],
-                " out of range");
+    TORCH_CHECK(table[b] >= 0 && table[b] < kv_cache.size(1), op, ": block id ", table[b], " out of range");
+  return s;
+}
 
+// Every kv head's context in the two packed layouts, head after head.
+struct PackedContext {
+  int64_t head_words;
+  std::vector<uint32_t> keys, values;
+  const uint32_t* head_keys(int64_t h) const { return keys.data() + h * head_words; }
+  const uint32_t* head_values(int64_t h) const { return values.data() + h * head_words; }
+};
+
+PackedContext pack_context(const at::Tensor& kv_cache, const at::Tensor& block_table, const Shape& s) {
   const auto* cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
+  const int64_t plane = kv_cache.size(1) * s.block_size * s.kv_heads * s.dim;
+  PackedContext packed{s.keys * s.dim / 2, {}, {}};
+  packed.keys.resize(s.kv_heads * packed.head_words);
+  packed.values.resize(s.kv_heads * packed.head_words);
+  at::parallel_for(0, s.kv_heads, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h)
+      pack_head(cache, plane, block_table.data_ptr<int32_t>(), s, h, packed.keys.data() + h * packed.head_words,
+                packed.values.data() + h * packed.head_words);
+  });
+  return packed;
+}
+
+at::Tensor bf16_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                  int64_t seq_len, double scale) {
+  const Shape s = checked_shape("bf16_prefill_attention", query, kv_cache, block_table, seq_len, scale, kKeys);
+  const PackedContext packed = pack_context(kv_cache, block_table, s);
   const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
   at::Tensor out = at::empty_like(query);
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t plane = kv_cache.size(1) * s.block_size * s.kv_heads * s.dim;
-  const int64_t head_words = s.keys * s.dim / 2;
-  std::vector<uint32_t> keys(s.kv_heads * head_words), values(s.kv_heads * head_words);
-  at::parallel_for(0, s.kv_heads, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h)
-      pack_head(cache, plane, table, s, h, keys.data() + h * head_words, values.data() + h * head_words);
-  });
 
   const int64_t tiles = (s.rows() + kRows - 1) / kRows, items = s.kv_heads * tiles;
   std::atomic<int64_t> next{0};   // items handed out last tile first: the longest go first
@@ -192,23 +235,146 @@ at::Tensor bf16_prefill_attention(const at::Tensor& query, const at::Tensor& kv_
         visible[r] = s.first_key + pos + 1;
       }
       const int64_t keys_needed = (visible[kRows - 1] + kKeys - 1) / kKeys * kKeys;
-      tile_scores(rows_q, keys.data() + h * head_words, s.dim / 2, keys_needed, scores.data(), s.keys);
+      tile_scores(rows_q, packed.head_keys(h), s.dim / 2, keys_needed, scores.data(), s.keys);
       float sums[kRows];
       for (int r = 0; r < kRows; ++r)
         sums[r] = row_softmax(scores.data() + r * s.keys, visible[r], keys_needed, static_cast<float>(scale),
                               weights.data() + r * s.keys);
-      tile_values(weights.data(), s.keys, values.data() + h * head_words, keys_needed, s.dim, sums, rows_out);
+      tile_values(weights.data(), s.keys, packed.head_values(h), keys_needed, s.dim, sums, rows_out);
     }
   });
   return out;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The same attention on AMX tiles, where the CPU has them. One item is 16 positions of one query head:
+// q.k as [16 x dim] x [dim x 16 keys] tile products, four key tiles (64 keys) per pass over the dims;
+// the 16 rows' softmax on AVX-512 as above; p.v as [16 x 32 keys] x [32 keys x 16 dims] products, four
+// dim tiles (64 dims) per pass over the keys. The packed layouts above are already AMX's B operands:
+// a 16-key block's 16 dim pairs are one key tile (rows 64 bytes apart), and 16 key pairs' 16 dims one
+// value tile (rows dim x 4 bytes apart). Tiles 0-3 accumulate, 4 holds the query or weight rows, 5-6
+// the key or value tiles. Products are exact in float32 as on VDPBF16PS; the tile unit reads bf16
+// denormals as zero, which no softmax weight that matters is.
+constexpr int64_t kAmxRows = 16;   // positions per item: one tile's rows
+constexpr int64_t kAmxKeys = 64;   // keys per q.k pass (and the packed context's rounding)
+
+// scores[r * ld + j] = q_r . k_j for the 16 rows of q_rows ([16, dim] bf16) and keys [0, keys)
+void amx_scores(const uint16_t* q_rows, int64_t dim, const uint32_t* packed_keys, int64_t keys, float* scores,
+                int64_t ld) {
+  const int64_t block_words = dim / 2 * 16;   // one 16-key block, all its dim pairs
+  for (int64_t j0 = 0; j0 < keys; j0 += kAmxKeys) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint32_t* k = packed_keys + (j0 / 16) * block_words;
+    for (int64_t d = 0; d < dim / 32; ++d) {
+      const uint32_t* kd = k + d * 16 * 16;   // dim pairs 16d .. 16d + 15
+      _tile_loadd(4, q_rows + d * 32, dim * 2);
+      _tile_loadd(5, kd, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, kd + block_words, 64);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, kd + 2 * block_words, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, kd + 3 * block_words, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, scores + j0, ld * 4);
+    _tile_stored(1, scores + j0 + 16, ld * 4);
+    _tile_stored(2, scores + j0 + 32, ld * 4);
+    _tile_stored(3, scores + j0 + 48, ld * 4);
+  }
+}
+
+// out row r (rows_out[r], for the real rows) = sum_j w_r[j] v_j / sums[r], keys a multiple of 32
+void amx_values(const uint16_t* weights, int64_t ld, const uint32_t* packed_values, int64_t keys, int64_t dim,
+                const float* sums, uint16_t* const* rows_out, int64_t rows) {
+  alignas(64) float acc[4][256];
+  for (int64_t c0 = 0; c0 < dim / 16; c0 += 4) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t t0 = 0; t0 < keys; t0 += 32) {
+      const uint32_t* v = packed_values + (t0 / 2) * dim + c0 * 16;   // key pairs t0/2 .., dims 16 c0 ..
+      _tile_loadd(4, weights + t0, ld * 2);
+      _tile_loadd(5, v, dim * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(6, v + 16, dim * 4);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, v + 32, dim * 4);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(6, v + 48, dim * 4);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.f / sums[r]);
+      for (int c = 0; c < 4; ++c)   // rounded to nearest even
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows_out[r] + (c0 + c) * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc[c] + r * 16), inv)));
+    }
+  }
+}
+
+at::Tensor amx_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                 int64_t seq_len, double scale) {
+  const Shape s = checked_shape("amx_prefill_attention", query, kv_cache, block_table, seq_len, scale, kAmxKeys);
+  TORCH_CHECK(pagedmodel_amx::permitted(), "amx_prefill_attention: the kernel refused AMX tile state (arch_prctl)");
+  const PackedContext packed = pack_context(kv_cache, block_table, s);
+  const auto* q = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
+  at::Tensor out = at::empty_like(query);
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+
+  const int64_t blocks = (s.q_len + kAmxRows - 1) / kAmxRows, items = s.q_heads * blocks;
+  std::atomic<int64_t> next{0};   // items handed out last block first: the longest go first
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    pagedmodel_amx::configure(7);
+    std::vector<float> scores(kAmxRows * s.keys);
+    std::vector<uint16_t> weights(kAmxRows * s.keys), q_rows(kAmxRows * s.dim);
+    for (int64_t taken = next++; taken < items; taken = next++) {
+      const int64_t head = taken % s.q_heads, pos0 = (blocks - 1 - taken / s.q_heads) * kAmxRows;
+      const int64_t rows = std::min(kAmxRows, s.q_len - pos0), kv_head = head / s.group();
+      uint16_t* rows_out[kAmxRows];
+      for (int64_t r = 0; r < kAmxRows; ++r) {   // the block's query rows side by side, zeros past the last
+        const int64_t at = ((pos0 + r) * s.q_heads + head) * s.dim;
+        if (r < rows) std::memcpy(q_rows.data() + r * s.dim, q + at, s.dim * sizeof(uint16_t));
+        else std::fill_n(q_rows.data() + r * s.dim, s.dim, uint16_t{0});
+        rows_out[r] = r < rows ? o + at : nullptr;
+      }
+      const int64_t last_visible = s.first_key + pos0 + rows;
+      const int64_t keys_needed = (last_visible + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+      amx_scores(q_rows.data(), s.dim, packed.head_keys(kv_head), keys_needed, scores.data(), s.keys);
+      float sums[kAmxRows];
+      for (int64_t r = 0; r < kAmxRows; ++r)   // padding rows see what the last real row sees
+        sums[r] = row_softmax(scores.data() + r * s.keys, s.first_key + pos0 + std::min(r, rows - 1) + 1, keys_needed,
+                              static_cast<float>(scale), weights.data() + r * s.keys);
+      amx_values(weights.data(), s.keys, packed.head_values(kv_head), keys_needed, s.dim, sums, rows_out, rows);
+    }
+    _tile_release();
+  });
+  return out;
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedmodel, m) {
   m.def("bf16_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, int seq_len, float scale) -> Tensor");
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  m.def("amx_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, int seq_len, float scale) -> Tensor");
+#endif
 }
 
-TORCH_LIBRARY_IMPL(pagedmodel, CPU, m) { m.impl("bf16_prefill_attention", &bf16_prefill_attention); }
+TORCH_LIBRARY_IMPL(pagedmodel, CPU, m) {
+  m.impl("bf16_prefill_attention", &bf16_prefill_attention);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  m.impl("amx_prefill_attention", &amx_prefill_attention);
+#endif
+}
 
 #endif

@@ -12,8 +12,9 @@ longest), in the cache's own dtype (no float32 copy of the cache):
   or without a compiler, rows are bucketed by length (a bucket spans at most ``BUCKET_RATIO`` x its
   shortest row, plus a block) and each bucket is one padded, masked SDPA call.
 - *Long chunks and prompts*: per sequence over its own context, in tiles of query rows that each read
-  only the keys they can see (`prefill_attention`): with a bf16 cache on a CPU with AVX512-BF16, the
-  C++ op ``cpu_prefill_attention`` (both products on VDPBF16PS, a tile's scores kept in cache);
+  only the keys they can see (`prefill_attention`): with a bf16 cache on a CPU with AMX or AVX512-BF16,
+  the C++ op ``cpu_prefill_attention`` (both products on AMX tiles, else on VDPBF16PS; a tile's scores
+  kept in cache);
   otherwise torch ops over the gathered context, scores in float32 (`prefill_attention_tiled`).
 
 Exact lengths are read from the device tensors (``seq_lens``, ``query_start_loc``), never from the
@@ -167,10 +168,11 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
                       scale: float) -> torch.Tensor:
     """The last ``len(query)`` positions of one sequence, causally over its ``seq_len`` context tokens.
 
-    bf16 on a CPU with AVX512-BF16: the C++ op (``cpu_prefill_attention.cpp``: q.k and p.v on VDPBF16PS,
-    a tile's scores kept in cache); otherwise `prefill_attention_tiled`, which rounds where the op does."""
+    bf16 on a CPU with AMX or AVX512-BF16: the C++ op (``cpu_prefill_attention.cpp``: q.k and p.v on AMX
+    tiles, else on VDPBF16PS; a tile's scores kept in cache); otherwise `prefill_attention_tiled`, which
+    rounds where the op does."""
     if query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu":
-        op = cpu_paged_attention.bf16_prefill()
+        op = cpu_paged_attention.amx_prefill() or cpu_paged_attention.bf16_prefill()
         if op is not None and query.shape[-1] % 64 == 0:
             return op(query.contiguous(), kv_cache, block_table.to(torch.int32).contiguous(), seq_len, scale)
     return prefill_attention_tiled(query, kv_cache, block_table, seq_len, scale)

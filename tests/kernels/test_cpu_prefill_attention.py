@@ -1,7 +1,9 @@
-"""The bf16 prefill op (``cpu_prefill_attention.cpp``, VDPBF16PS) against the float32 tiled torch path.
+"""The bf16 prefill ops (``cpu_prefill_attention.cpp``: on VDPBF16PS, and on AMX tiles) against the
+float32 tiled torch path.
 
-The op is built only where the CPU has AVX512-BF16; there a missing op fails these tests, elsewhere
-they are skipped (the torch path serves and is tested in test_torch_attention.py).
+Each op is built only where the CPU has its instructions (AVX512-BF16; AMX-BF16); there a missing op
+fails these tests, elsewhere they are skipped (the torch path serves and is tested in
+test_torch_attention.py).
 """
 from __future__ import annotations
 
@@ -12,16 +14,25 @@ from pagedmodel.kernels import cpu_paged_attention, torch_attention
 from pagedmodel.kernels.cpu_features import cpu_flags
 
 TOL = dict(rtol=2 ** -7, atol=2 ** -7)   # bf16 output; scores and softmax float32 in both
+OPS = {   # accessor, the CPU flags its build needs
+    "vdpbf16ps": (cpu_paged_attention.bf16_prefill, {"avx512_bf16"}),
+    "amx": (cpu_paged_attention.amx_prefill, {"avx512_bf16", "amx_tile", "amx_bf16"}),
+}
 
 
-@pytest.fixture(scope="module")
-def op():
-    found = cpu_paged_attention.bf16_prefill()
+def _found_or_skip(name: str):
+    accessor, flags = OPS[name]
+    found = accessor()
     if found is None:
-        if "avx512_bf16" in cpu_flags() and cpu_paged_attention.enabled():
-            pytest.fail(f"the CPU has AVX512-BF16 but the op is missing: {cpu_paged_attention.load_error()}")
-        pytest.skip("needs a CPU with AVX512-BF16 and the CPU ops extension")
+        if flags <= cpu_flags() and cpu_paged_attention.enabled():
+            pytest.fail(f"the CPU has {sorted(flags)} but the {name} op is missing: {cpu_paged_attention.load_error()}")
+        pytest.skip(f"needs a CPU with {sorted(flags)} and the CPU ops extension")
     return found
+
+
+@pytest.fixture(scope="module", params=sorted(OPS))
+def op(request):
+    return _found_or_skip(request.param)
 
 
 def _problem(q_len: int, seq_len: int, block_size: int, q_heads: int, kv_heads: int, head_dim: int,
@@ -42,6 +53,9 @@ def _problem(q_len: int, seq_len: int, block_size: int, q_heads: int, kv_heads: 
     (64, 64, 16, 4, 4, 128),     # no GQA, head dim 128 (two passes of 64 dims for p.v)
     (7, 100, 16, 8, 2, 64),      # fewer rows than a tile per kv head's group of 4
     (130, 161, 32, 9, 3, 64),    # several 32-key steps, every tile a different visible length
+    (16, 16, 16, 9, 3, 64),      # exactly one 16-row AMX block
+    (17, 300, 16, 9, 3, 64),     # one row past it, late in a context not a multiple of 64 keys
+    (1, 1, 16, 9, 3, 64),        # one token
 ])
 def test_matches_the_float32_tiled_path(op, q_len, seq_len, block_size, q_heads, kv_heads, head_dim):
     query, cache, table = _problem(q_len, seq_len, block_size, q_heads, kv_heads, head_dim)
@@ -62,13 +76,25 @@ def test_peaked_scores(op, sharpness):
     torch.testing.assert_close(got.float(), expected, **TOL)
 
 
-def test_prefill_attention_takes_the_op_for_bf16_only(op):
+def test_prefill_attention_takes_the_fastest_op_for_bf16_only():
+    """AMX where the CPU has it, else VDPBF16PS; float32 stays on the torch path."""
+    name = "amx" if OPS["amx"][1] <= cpu_flags() else "vdpbf16ps"
+    op = _found_or_skip(name)
     query, cache, table = _problem(40, 70, 16, 9, 3, 64, seed=1)
     assert torch.equal(torch_attention.prefill_attention(query, cache, table, 70, 0.125),
                        op(query, cache, table, 70, 0.125))
     q32, c32 = query.float(), cache.float()
     assert torch.equal(torch_attention.prefill_attention(q32, c32, table, 70, 0.125),
                        torch_attention.prefill_attention_tiled(q32, c32, table, 70, 0.125))
+
+
+def test_the_two_ops_agree_to_bf16_rounding():
+    """Both sum exact bf16 products in float32, in different orders: their outputs differ by at most a
+    bf16 rounding step, on a 1,000-token prompt whose later tiles see hundreds of keys."""
+    vdp, amx = _found_or_skip("vdpbf16ps"), _found_or_skip("amx")
+    query, cache, table = _problem(1000, 1000, 16, 9, 3, 64, seed=5)
+    a, b = vdp(query, cache, table, 1000, 0.125).float(), amx(query, cache, table, 1000, 0.125).float()
+    assert ((a - b).abs() <= 2 ** -7 * b.abs().clamp_min(1.0)).all()
 
 
 def test_bad_inputs_are_refused_with_their_reason(op):
