@@ -172,7 +172,8 @@ class PackedLinear(nn.Module):
             self.amx_tiles = pack_amx_tiles(self.weight.detach()) if self._amx_op is not None else None
             self.packed = reorder(self.weight.detach(), None) if self.plan.needs_bf16_pack() else None
             self.packed32 = reorder(self.weight.detach().float(), None) if float32_copy else None
-            float32_paths = self.panels is not None or float32_copy   # the paths that add the bias in float32
+            # the paths that add the bias in float32 (the ops would widen a bf16 bias on every call)
+            float32_paths = self.panels is not None or self.amx_tiles is not None or float32_copy
             self.bias32 = bias.detach().float() if float32_paths and bias is not None else None
         self.min_rows = MIN_ROWS[self.weight.dtype]
         self.float_output = float_output
@@ -190,12 +191,13 @@ class PackedLinear(nn.Module):
         if rows <= self.plan.panel_max_rows:   # neither op builds a primitive per shape: no padding
             return self._panel_op(x, self.panels, self.out_features, self.bias32, self.float_output)
         if rows <= self.plan.amx_max_rows:
-            return self._amx_op(x, self.amx_tiles, self.out_features, self.bias, self.float_output)
+            return self._amx_op(x, self.amx_tiles, self.out_features, self.bias32, self.float_output)
         wide = self.packed32 is not None and rows >= self.plan.float32_min_rows
         padded = padded_rows(rows)
         if padded != rows:   # the extra rows' outputs are computed and dropped
-            buf = x.new_zeros(padded, x.shape[1], dtype=torch.float32 if wide else x.dtype)
+            buf = x.new_empty(padded, x.shape[1], dtype=torch.float32 if wide else x.dtype)
             buf[:rows] = x   # the cast, if any, in the same copy
+            buf[rows:].zero_()   # only the padding: zeroing all of a prefill's rows first cost 30 ms per prompt
             x = buf
         elif wide:
             x = x.float()

@@ -109,6 +109,9 @@ def test_bf16_layers_follow_their_plan(rows, float_output, plan_name, monkeypatc
     assert (layer.amx_tiles is not None) == (plan.amx_max_rows > 0)
     assert (layer.packed32 is not None) == (plan.float32_min_rows is not None)
     assert (layer.packed is None) == (plan_name == "split")   # the split leaves no rows to the bf16 GEMM
+    # the ops add a float32 bias: one widened once, at packing, wherever a path of the plan takes one
+    float32_bias_paths = plan.panel_max_rows > 0 or plan.amx_max_rows > 0 or plan.float32_min_rows is not None
+    assert (layer.bias32 is not None) == float32_bias_paths
     path = _path_for(plan, rows)
     assert onednn == {"panel": [], "amx": [], "float32": [torch.float32], "bf16": [torch.bfloat16]}[path]
     float32_arithmetic = path != "bf16"
