@@ -20,7 +20,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "cpu_amx_tiles.h"
@@ -109,15 +108,19 @@ void column_tile(const Problem& p, int64_t col_tile, int64_t row_tile0, int grou
 }
 
 // x's rows in the weight's tile order: [row tiles, depth tiles, 16 rows x 32 values], zero-padded.
+// Only the padding is zeroed (a zero-filled buffer, then the copy, cost 22 us a call at 64 rows: 2.6 ms
+// of a decode step's 120 calls).
 at::Tensor x_in_tiles(const at::Tensor& x, int64_t row_tiles, int64_t depth_tiles) {
   const int64_t rows = x.size(0), k = x.size(1);
-  at::Tensor tiles = at::zeros({row_tiles, depth_tiles, kTileElems}, x.options().dtype(at::kShort));
+  at::Tensor tiles = at::empty({row_tiles, depth_tiles, kTileElems}, x.options().dtype(at::kShort));
   const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(tiles.data_ptr());
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < row_tiles * 16; ++r) {
     for (int64_t d = 0; d < depth_tiles; ++d) {
-      const int64_t width = std::min<int64_t>(kTileDepth, k - d * kTileDepth);
-      std::copy_n(src + r * k + d * kTileDepth, width, dst + ((r / 16) * depth_tiles + d) * kTileElems + (r % 16) * 32);
+      uint16_t* row = dst + ((r / 16) * depth_tiles + d) * kTileElems + (r % 16) * 32;
+      const int64_t width = r < rows ? std::min<int64_t>(kTileDepth, k - d * kTileDepth) : 0;
+      if (width > 0) std::copy_n(src + r * k + d * kTileDepth, width, row);
+      std::fill(row + width, row + kTileDepth, uint16_t{0});
     }
   }
   return tiles;
