@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -46,6 +47,8 @@ SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp", HERE
 HEADERS = (HERE / "cpu_vector_math.h", HERE / "cpu_amx_tiles.h")
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
+
+STALE_LOCK_S = 900.0   # a build takes 1-3 minutes on 2 cores; an older lock was left by a killed one
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}   # "op": the loaded op or None, "error": why it is None
@@ -139,12 +142,31 @@ def _registered() -> Callable[..., torch.Tensor] | None:
     return getattr(torch.ops.pagedmodel, "paged_rows_attention", None)
 
 
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Removes ``build_dir/lock`` if it is older than ``STALE_LOCK_S``; True if it did.
+
+    torch's extension builder waits, without a timeout, while another process holds that lock file, so a
+    build killed half-way (a test run stopped with Ctrl-C) left every later process hanging at its first
+    CPU op until someone deleted the file by hand."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build() -> Callable[..., torch.Tensor] | None:
     if (op := _registered()) is not None:
         return op
     try:
         from torch.utils import cpp_extension
 
+        clear_stale_lock(Path(cpp_extension._get_build_directory(build_name(), verbose=False)))
         cpp_extension.load(name=build_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                            extra_include_paths=[str(HERE)], is_python_module=False, verbose=False)
         return torch.ops.pagedmodel.paged_rows_attention

@@ -7,7 +7,9 @@ torch-ops fallback (``off``).
 """
 from __future__ import annotations
 
+import os
 import random
+import time
 
 import pytest
 import torch
@@ -159,6 +161,38 @@ def test_a_failed_build_falls_back_to_torch_ops(monkeypatch):
     assert cpu_paged_attention.load() is None
     assert "no compiler here" in cpu_paged_attention.load_error()
     _check([1, 3], [10, 3], q_heads=2, kv_heads=1)
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_a_live_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    assert not cpu_paged_attention.clear_stale_lock(tmp_path)   # no lock
+    lock.touch()
+    assert not cpu_paged_attention.clear_stale_lock(tmp_path) and lock.exists()   # a build under way
+    long_ago = time.time() - cpu_paged_attention.STALE_LOCK_S - 1
+    os.utime(lock, (long_ago, long_ago))
+    assert cpu_paged_attention.clear_stale_lock(tmp_path) and not lock.exists()
+
+
+def test_the_build_clears_a_stale_lock_before_torch_waits_on_it(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    long_ago = time.time() - cpu_paged_attention.STALE_LOCK_S - 1
+    os.utime(lock, (long_ago, long_ago))
+    lock_at_load = []
+
+    def load(**_kw):
+        lock_at_load.append(lock.exists())
+        raise RuntimeError("stop here")
+
+    monkeypatch.setenv(cpu_paged_attention.OP_ENV, "auto")
+    monkeypatch.setattr(cpu_paged_attention, "_state", {})
+    monkeypatch.setattr(cpu_paged_attention, "_registered", lambda: None)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert cpu_paged_attention.load() is None
+    assert lock_at_load == [False]
 
 
 def test_bad_op_switch_is_named():
