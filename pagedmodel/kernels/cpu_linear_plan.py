@@ -8,7 +8,7 @@ as fast as the float32 copy at 64 rows and beats the panel op from 4 rows on; on
 does the panel op win (1.1-1.8x). A rule tuned on one machine cost the other up to 2x on every linear.
 
 So ``choose_plans`` times the three candidates on each of the model's weight shapes at a few row
-counts (about a second at load for SmolLM2's five shapes, most of it the 49,152-wide head) and
+counts (3-4 s at load for SmolLM2's five shapes on the AMX Xeon, most of it the 49,152-wide head) and
 ``plan_from`` turns the timings into a ``LinearPlan``; the timings and the plans are logged. Shapes
 differ: SmolLM2's head, bound by reading its 57 MB of weights at one row, runs 1.8x faster through the
 panel op there, where the 3072x576 gate/up barely notices.
@@ -34,7 +34,13 @@ AMX_COPY_BUDGET = 4 << 30           # bytes of AMX tile copies (bf16, beside one
 MEASURED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 PANEL_ROWS_LIMIT = 16               # the panel op is measured (and used) up to here, or up to the float32 split
 FLOAT32_MARGIN = 0.85               # float32 copies cost 4 bytes a parameter: take them only for a clear win
+# oneDNN takes rows from the AMX op only when clearly faster: the measurement repeats one weight, hot in
+# cache, where oneDNN looks its best; in a step the weights stream from DRAM, where the AMX op's
+# prefetching wins (30 layers' linears streamed on an AMX Xeon: 22.0 against 50.7 ms at 32 rows, 35.9
+# against 41.3 at 64, where hot-weight timings had the two within 5 % and flipped from load to load)
+AMX_MARGIN = 0.85
 MIN_TIMED_SECONDS = 2e-3            # each measurement repeats a call for at least this long
+TIMING_ROUNDS = 5                   # rounds of measurements, the candidates in turn; each keeps its best
 
 
 @dataclass(frozen=True)
@@ -86,31 +92,40 @@ def plan_from(timings: Timings) -> LinearPlan:
 
 
 def amx_rows(timings: Timings, panel_max: int, use_float32: bool) -> int:
-    """The largest measured row count up to which the AMX op beats, at every measured count past the panel
-    op's, the GEMM the plan would use otherwise (0: never, or not measured)."""
+    """The largest measured row count up to which the AMX op holds, at every measured count past the panel
+    op's, against the GEMM the plan would use otherwise: no rival is faster by ``AMX_MARGIN`` (0: never, or
+    not measured)."""
     amx, best = timings.get("amx", {}), 0
     for rows in sorted(r for r in timings["bf16"] if r > panel_max):
         rivals = [timings["bf16"][rows]]
         if use_float32 and rows >= FLOAT32_GEMM_MIN_ROWS and rows in timings.get("float32", {}):
             rivals.append(timings["float32"][rows])
-        if rows not in amx or amx[rows] >= min(rivals):
+        if rows not in amx or min(rivals) < AMX_MARGIN * amx[rows]:
             break
         best = rows
     return best
 
 
-def _seconds_per_call(fn: Callable[[], object]) -> float:
-    fn()   # oneDNN builds its primitive for the shape on the first call
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < MIN_TIMED_SECONDS or calls < 3:
-        fn()
-        calls += 1
-    best = (time.perf_counter() - start) / calls
-    for _ in range(2):   # best of three rounds: the plan should not follow a neighbour's burst
-        start = time.perf_counter()
-        for _ in range(calls):
+def _seconds_per_call(candidates: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Each candidate's best seconds a call over ``TIMING_ROUNDS`` rounds, the candidates taking turns within
+    each round. In turns, a neighbour's burst slows every candidate of one round, and each candidate's best
+    round is a quiet one; timed one after another (best of three back-to-back rounds each), a burst could
+    sit on one candidate's three rounds, and the plans flipped from load to load on a noisy guest."""
+    calls = {}
+    for name, fn in candidates.items():
+        fn()   # oneDNN builds its primitive for the shape on the first call
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < MIN_TIMED_SECONDS or count < 3:
             fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+            count += 1
+        calls[name] = count
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(TIMING_ROUNDS):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls[name])
     return best
 
 
@@ -131,14 +146,15 @@ def measure(out_features: int, in_features: int, panel_op: Callable | None,
         timings: Timings = {"bf16": {}, "float32": {}, "panel": {}, "amx": {}}
         for rows in rows_list:
             x = torch.randn(rows, in_features, generator=g).to(torch.bfloat16)
-            timings["bf16"][rows] = _seconds_per_call(lambda: linear(x, packed, None, "none", [], ""))
+            candidates = {"bf16": lambda: linear(x, packed, None, "none", [], "")}
             if packed32 is not None and rows == max(rows_list):   # the plan weighs it at the largest step only
-                timings["float32"][rows] = _seconds_per_call(
-                    lambda: linear(x.float(), packed32, None, "none", [], "").to(torch.bfloat16))
+                candidates["float32"] = lambda: linear(x.float(), packed32, None, "none", [], "").to(torch.bfloat16)
             if panels is not None and rows <= PANEL_ROWS_LIMIT:
-                timings["panel"][rows] = _seconds_per_call(lambda: panel_op(x, panels, out_features, None, False))
+                candidates["panel"] = lambda: panel_op(x, panels, out_features, None, False)
             if tiles is not None:
-                timings["amx"][rows] = _seconds_per_call(lambda: amx_op(x, tiles, out_features, None, False))
+                candidates["amx"] = lambda: amx_op(x, tiles, out_features, None, False)
+            for name, seconds in _seconds_per_call(candidates).items():
+                timings[name][rows] = seconds
     return timings
 
 
