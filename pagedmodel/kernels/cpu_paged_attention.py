@@ -105,8 +105,28 @@ def bf16_linear() -> Callable[..., torch.Tensor] | None:
 
 def amx_linear() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.pagedmodel.amx_bf16_linear`` (``cpu_amx_linear.cpp``, built with the attention op where the
-    build targets AMX-BF16); None if unavailable."""
-    return None if load() is None else getattr(torch.ops.pagedmodel, "amx_bf16_linear", None)
+    build targets AMX-BF16); None if unavailable, or if this process may not use AMX tiles."""
+    return _amx_op("amx_bf16_linear")
+
+
+def amx_tiles_permitted(linear_op: Callable[..., torch.Tensor]) -> bool:
+    """Whether the AMX ops run in this process: Linux hands out tile state only on request (arch_prctl), which
+    a sandbox's seccomp policy may refuse, and the ops then raise on every call. One call on one tile tells."""
+    try:
+        linear_op(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 1, 512, dtype=torch.int16), 16, None, False)
+        return True
+    except RuntimeError as exc:
+        log.warning("AMX tiles refused here (%s); VDPBF16PS and oneDNN serve instead", str(exc).strip()[:200])
+        return False
+
+
+def _amx_op(name: str) -> Callable[..., torch.Tensor] | None:
+    if load() is None or getattr(torch.ops.pagedmodel, "amx_bf16_linear", None) is None:
+        return None
+    with _lock:
+        if "amx_permitted" not in _state:
+            _state["amx_permitted"] = amx_tiles_permitted(torch.ops.pagedmodel.amx_bf16_linear)
+    return getattr(torch.ops.pagedmodel, name, None) if _state["amx_permitted"] else None
 
 
 def sampling() -> Callable[..., torch.Tensor] | None:
@@ -123,8 +143,8 @@ def bf16_prefill() -> Callable[..., torch.Tensor] | None:
 
 def amx_prefill() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.pagedmodel.amx_prefill_attention`` (``cpu_prefill_attention.cpp`` on AMX tiles, built with the
-    attention op where the build targets AMX-BF16); None if unavailable."""
-    return None if load() is None else getattr(torch.ops.pagedmodel, "amx_prefill_attention", None)
+    attention op where the build targets AMX-BF16); None if unavailable, or if this process may not use AMX tiles."""
+    return _amx_op("amx_prefill_attention")
 
 
 def cache_write() -> Callable[..., None] | None:

@@ -113,3 +113,26 @@ def test_bad_inputs_are_refused_with_their_reason(op):
         op(query, cache, table, 40, 0.0)
     with pytest.raises(RuntimeError, match="must be bfloat16"):
         op(query.float(), cache, table, 40, 0.125)
+
+
+def test_refused_amx_tiles_leave_the_amx_ops_unused(monkeypatch, caplog):
+    """Where a sandbox refuses AMX tile state (arch_prctl) the AMX ops would raise on every call: the probe
+    says so, and prefill takes the VDPBF16PS op (or the torch path) instead."""
+    def refused(*_args):
+        raise RuntimeError("amx_bf16_linear: the kernel refused AMX tile state (arch_prctl)")
+
+    assert not cpu_paged_attention.amx_tiles_permitted(refused)
+    assert "AMX tiles refused here" in caplog.text
+    monkeypatch.setitem(cpu_paged_attention._state, "amx_permitted", False)
+    assert cpu_paged_attention.amx_linear() is None and cpu_paged_attention.amx_prefill() is None
+    query, cache, table = _problem(40, 70, 16, 9, 3, 64, seed=2)
+    got = torch_attention.prefill_attention(query, cache, table, 70, 0.125)
+    vdp = cpu_paged_attention.bf16_prefill()
+    expected = (vdp(query, cache, table, 70, 0.125) if vdp is not None
+                else torch_attention.prefill_attention_tiled(query, cache, table, 70, 0.125))
+    assert torch.equal(got, expected)
+
+
+def test_the_amx_probe_passes_where_the_op_runs():
+    amx = _found_or_skip("amx")
+    assert amx is not None and cpu_paged_attention.amx_tiles_permitted(torch.ops.pagedmodel.amx_bf16_linear)
