@@ -96,17 +96,14 @@ void tile_scores(const uint32_t* const* q, const uint32_t* packed_keys, int64_t 
 // the softmax below is one pass of a few vector ops per 16 scores (the compiler's vectorization of the
 // scalar helper, plus separate passes for the sum and the bf16 rounding, was half of the AMX op's time).
 inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  using namespace pagedmodel_cpu::exp_poly;
+  x = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 y = _mm512_set1_ps(kCoefficients[0]);
+  for (int c = 1; c < 6; ++c) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kCoefficients[c]));
   y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
 }
@@ -114,14 +111,9 @@ inline __m512 exp_nonpositive16(__m512 x) {
 // One row's softmax over its visible keys [0, visible), written as unnormalised bf16 weights up to
 // `keys` (zeros past `visible`); returns the weights' sum (of the float32 values before rounding).
 float row_softmax(const float* s, int64_t visible, int64_t keys, float scale, uint16_t* weights) {
-  __m512 top = _mm512_set1_ps(s[0]);
-  int64_t j = 0;
-  for (; j + 16 <= visible; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
-  const __mmask16 tail = static_cast<__mmask16>((1u << (visible - j)) - 1);
-  top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + j));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top)), factor = _mm512_set1_ps(scale);
+  const __m512 m = _mm512_set1_ps(pagedmodel_cpu::row_max(s, visible)), factor = _mm512_set1_ps(scale);
   __m512 total = _mm512_setzero_ps();
-  for (j = 0; j < keys; j += 16) {
+  for (int64_t j = 0; j < keys; j += 16) {
     const int64_t live = std::clamp<int64_t>(visible - j, 0, 16);
     const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
     const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m), factor)));

@@ -33,17 +33,22 @@ inline uint16_t bf16_bits(float x) {
 // vectorizes it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2 in two parts,
 // exp(r) by a degree-6 minimax polynomial, times 2^n built in the exponent bits. Relative error
 // below 2e-7 (a few float ulps); x below -87 gives ~1e-38 instead of 0, nothing next to the max's 1.
+// The constants are shared with the AVX-512 spelling in cpu_prefill_attention.cpp.
+namespace exp_poly {
+constexpr float kLowest = -87.f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;   // ln 2 = kLn2High - kLn2Low
+constexpr float kCoefficients[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                    4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};   // Horner's, highest degree first
+}  // namespace exp_poly
+
 inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
+  using namespace exp_poly;
+  x = std::max(x, kLowest);
+  const float n = std::nearbyint(x * kLog2e);
+  float r = x - n * kLn2High;
+  r = r + n * kLn2Low;
+  float y = kCoefficients[0];
+  for (int c = 1; c < 6; ++c) y = y * r + kCoefficients[c];
   y = y * r * r + r + 1.f;
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
   float scale;
