@@ -25,6 +25,7 @@ MODEL_MOUNT = "/models"
 HF_CACHE_MOUNT = "/var/cache/huggingface"
 # Probe cadence: /health is cheap; readiness reacts within ~15 s, liveness tolerates a minute of stalls.
 STARTUP_PERIOD_S = 5
+CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16   # the engine's --block-size defaults (server/engine/device.py)
 READINESS = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
 LIVENESS = {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6, "successThreshold": 1}
 # Engine pods drain for ENGINE_DRAIN_S after SIGTERM (serve --shutdown-timeout, set explicitly so the two
@@ -66,13 +67,21 @@ def owner_reference(pm: dict[str, Any]) -> dict[str, Any]:
             "controller": True, "blockOwnerDeletion": True}
 
 
+def default_block_size(device: str) -> int:
+    """`--block-size` when spec.engine.blockSize is unset: the engine's own default for the device
+    (server/engine/device.py::pick_block_size), written out so the tuner knows where it starts."""
+    return CPU_BLOCK_SIZE if device == "cpu" else GPU_BLOCK_SIZE
+
+
 def effective_engine(spec: dict[str, Any], observed: Observed) -> dict[str, Any]:
-    """spec.engine with the tuner's overrides on top, and device resolved against the GPU count."""
+    """spec.engine with the tuner's overrides on top, device resolved against the GPU count, and the
+    block size resolved against the device."""
     engine = dict(spec["engine"])
     engine.update({k: v for k, v in observed.tuned.items() if k in TUNABLE})
     engine["extraArgs"] = list(engine.get("extraArgs") or [])
     if engine.get("device", "auto") == "auto":
         engine["device"] = "cuda" if spec["resources"]["gpus"] > 0 else "cpu"
+    engine.setdefault("blockSize", default_block_size(engine["device"]))
     if lora_enabled(spec):
         engine.update(enableLora=True, maxLoras=engine.get("maxLoras", DEFAULT_MAX_LORAS),
                       maxLoraRank=engine.get("maxLoraRank", DEFAULT_MAX_LORA_RANK))

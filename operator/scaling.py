@@ -103,7 +103,8 @@ def plan(spec: dict[str, Any], status: dict[str, Any], result: ScrapeResult | No
 
     # ---- metrics: fold the scrape in, decide whether the data can be trusted
     stale_reason = _fold(result, window, current)
-    tuning = TuningPolicy.from_spec(spec["tuning"], spec["engine"]) if spec["tuning"]["mode"] != "Off" else None
+    tuning = (TuningPolicy.from_spec(spec["tuning"], spec["engine"], engine["device"])
+              if spec["tuning"]["mode"] != "Off" else None)
     keep_s = max(policy.window_s(), tuning.window_s() if tuning else 0.0)
     window = [o for o in window if o.time >= now - keep_s][-MAX_WINDOW_ENTRIES:]
     available = stale_reason is None

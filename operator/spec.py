@@ -19,7 +19,7 @@ from .validation import is_int, is_num
 DEFAULTS: dict[str, Any] = {
     "image": "ghcr.io/pagedmodel/pagedmodel:0.1.0",
     "imagePullPolicy": "IfNotPresent",
-    "engine": {"blockSize": 16, "maxNumSeqs": 256, "gpuMemoryUtilization": 0.9, "swapSpaceGiB": 4,
+    "engine": {"maxNumSeqs": 256, "gpuMemoryUtilization": 0.9, "swapSpaceGiB": 4,
                "enablePrefixCaching": True, "tensorParallelSize": 1, "dtype": "auto", "device": "auto"},
     "resources": {"gpus": 1, "gpuResourceName": "nvidia.com/gpu"},
     "replicas": 1,

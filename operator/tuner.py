@@ -16,6 +16,9 @@ from .validation import check_int, check_number, failer, finite, is_int
 
 MODES = ("Off", "Recommend", "Auto")
 DEFAULT_BLOCK_SIZES = (8, 16, 32)
+# On CPU the block size sets decode attention's read length (docs/engine.md, KV cache): the tuner keeps
+# the 128-token default unless spec.tuning.blockSizes lists others.
+CPU_DEFAULT_BLOCK_SIZES = (128,)
 TUNED_FIELDS = ("maxNumSeqs", "blockSize")
 
 # Rule constants (docs/autoscaling.md explains each).
@@ -71,8 +74,10 @@ class TuningPolicy:
         object.__setattr__(self, "block_sizes", tuple(sorted(set(self.block_sizes))))
 
     @classmethod
-    def from_spec(cls, tuning: dict[str, Any], engine: dict[str, Any]) -> "TuningPolicy":
-        """From spec.tuning and spec.engine (camelCase, CRD defaults filled).
+    def from_spec(cls, tuning: dict[str, Any], engine: dict[str, Any], device: str = "cuda") -> "TuningPolicy":
+        """From spec.tuning and spec.engine (camelCase, CRD defaults filled), for engines on `device`
+        (`cpu` or `cuda`, resolved): without spec.tuning.blockSizes the candidates are
+        DEFAULT_BLOCK_SIZES on GPUs and CPU_DEFAULT_BLOCK_SIZES on CPU.
 
         Without spec.tuning.maxNumSeqs the bounds are [current / 4, current * 4] (at least 1, at most
         4096, the CRD's limit): far enough to fix a badly chosen value, near enough that one bad
@@ -90,7 +95,7 @@ class TuningPolicy:
             lo, hi = rng["min"], rng["max"]
         else:
             raise ValueError("spec.tuning.maxNumSeqs needs integer min and max")
-        sizes = tuning.get("blockSizes", list(DEFAULT_BLOCK_SIZES))
+        sizes = tuning.get("blockSizes", list(CPU_DEFAULT_BLOCK_SIZES if device == "cpu" else DEFAULT_BLOCK_SIZES))
         if not isinstance(sizes, (list, tuple)):
             raise ValueError(f"spec.tuning.blockSizes must be a list, not {sizes!r}")
         return cls(mode=tuning.get("mode", "Off"), min_max_num_seqs=lo, max_max_num_seqs=hi,

@@ -33,13 +33,15 @@ KV_BYTES = KV_TOKENS * 46080
 def spec() -> dict[str, Any]:
     return {
         "model": {"source": "builtin://smollm2", "servedName": "smollm2"},
+        # KV_BYTES is sized for fp32 (auto is bf16 on AMX CPUs); block size 16 (not the CPU default 128) and
+        # the GPU candidates give the tuner a block size to recommend from the sequence lengths
         "engine": {"maxNumSeqs": 4, "maxModelLen": KV_TOKENS, "kvCacheMemoryBytes": KV_BYTES, "swapSpaceGiB": 0,
-                   "device": "cpu", "dtype": "float32"},   # KV_BYTES is sized for fp32 (auto is bf16 on AMX CPUs)
+                   "device": "cpu", "dtype": "float32", "blockSize": 16},
         "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"},
         "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetKVCacheUsage": 0.3,
                         "targetWaitingPerReplica": 2, "intervalSeconds": INTERVAL_S,
                         "stableWindowSeconds": STABLE_WINDOW_S, "scaleDownStabilizationSeconds": SCALE_DOWN_S},
-        "tuning": {"mode": "Recommend"},
+        "tuning": {"mode": "Recommend", "blockSizes": [8, 16, 32]},
         # The router holds what the engines' slots cannot take yet; on two shared cores a 400-token request
         # takes tens of seconds, so the queue may wait longer than the default 30 s while the model scales.
         "router": {"replicas": 1, "strategy": "kv-aware", "queueTimeoutSeconds": 300},

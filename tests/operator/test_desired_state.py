@@ -69,11 +69,22 @@ def test_cpu_engine_flags_are_exactly_the_spec():
     assert c["command"] == ["pagedmodel", "serve"]
     assert flags(c["args"]) == {
         "--model": "smollm2", "--served-model-name": "smol", "--host": "0.0.0.0", "--port": "8000",
-        "--block-size": "16", "--max-num-seqs": "4", "--max-model-len": "256", "--kv-cache-memory": "16000000",
+        "--block-size": "128", "--max-num-seqs": "4", "--max-model-len": "256", "--kv-cache-memory": "16000000",
         "--swap-space": "0", "--dtype": "auto", "--device": "cpu", "--enable-prefix-caching": True,
         "--shutdown-timeout": "50"}
     assert c["env"][0] == {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}}
+
+
+@pytest.mark.parametrize("engine_spec, gpus, block", [
+    ({"device": "cpu"}, 0, "128"),           # unset: the engine's CPU default, not the GPU one
+    ({}, 0, "128"),                          # device auto without GPUs is a CPU engine
+    ({}, 1, "16"),                           # device auto with a GPU
+    ({"device": "cpu", "blockSize": 32}, 0, "32"),   # a blockSize in the spec is kept
+])
+def test_an_unset_block_size_is_the_engines_default_for_its_device(engine_spec, gpus, block):
+    spec = {"model": {"source": "builtin://smollm2"}, "engine": engine_spec, "resources": {"gpus": gpus}}
+    assert flags(container(make_pm(spec))["args"])["--block-size"] == block
 
 
 @pytest.mark.parametrize("extra, drain, grace", [
@@ -264,7 +275,7 @@ def test_engine_flag_changes_change_the_template_hash_and_nothing_else_does():
 def test_floats_render_stably():
     spec = {"model": {"source": "builtin://smollm2"}, "engine": {"swapSpaceGiB": 4.0, "gpuMemoryUtilization": 1}}
     full = with_defaults(spec)
-    f = flags(engine_args(make_pm(spec), full, {**full["engine"], "device": "cuda"}))
+    f = flags(engine_args(make_pm(spec), full, {**full["engine"], "device": "cuda", "blockSize": 16}))
     assert f["--swap-space"] == "4" and f["--gpu-memory-utilization"] == "1"
 
 

@@ -21,12 +21,12 @@ ENGINE_DEPLOYMENT = f"/apis/apps/v1/namespaces/ml/deployments/{names.engine_name
 
 
 def metrics_text(kv: float, waiting: int, running: int, preemptions: int = 0, finished: int = 0,
-                 prompt: int = 0, generation: int = 0, max_num_seqs: int = 4) -> str:
+                 prompt: int = 0, generation: int = 0, max_num_seqs: int = 4, block_size: int = 128) -> str:
     lbl = '{model_name="smollm2"}'
     return "\n".join([
         f"vllm:kv_cache_usage_perc{lbl} {kv}", f"vllm:num_requests_waiting{lbl} {waiting}",
         f"vllm:num_requests_running{lbl} {running}", f"pagedmodel:max_num_seqs{lbl} {max_num_seqs}",
-        f"pagedmodel:block_size{lbl} 16", "# TYPE vllm:num_preemptions counter",
+        f"pagedmodel:block_size{lbl} {block_size}", "# TYPE vllm:num_preemptions counter",
         f"vllm:num_preemptions_total{lbl} {preemptions}", "# TYPE vllm:request_prompt_tokens histogram",
         f'vllm:request_prompt_tokens_bucket{{le="+Inf",model_name="smollm2"}} {finished}',
         f"vllm:request_prompt_tokens_count{lbl} {finished}", f"vllm:request_prompt_tokens_sum{lbl} {prompt}",
@@ -269,7 +269,7 @@ def test_recommend_mode_proposes_without_applying_and_says_so_once():
         sim.load = _tuning_load(i)
         st = sim.step(T0 + 10 * i)
     rec = st["tuning"]["recommendation"]
-    assert rec.get("maxNumSeqs", 4) > 4 or rec.get("blockSize", 16) != 16, st["tuning"]
+    assert rec.get("maxNumSeqs", 4) > 4 or rec.get("blockSize", 128) != 128, st["tuning"]
     assert st["tuning"]["held"], st["tuning"]
     recommended = [m for r, m in sim.events if r == "EngineArgsRecommended"]
     assert 1 <= len(recommended) <= 2, recommended          # once per distinct proposal, not every pass

@@ -317,6 +317,9 @@ def test_policy_from_spec():
     p = TuningPolicy.from_spec(DEFAULTS["tuning"], DEFAULTS["engine"])
     assert (p.mode, p.min_max_num_seqs, p.max_max_num_seqs, p.block_sizes, p.cooldown_s) == \
         ("Off", 64, 1024, (8, 16, 32), 1800)
+    # CPU engines keep their 128-token blocks unless the spec lists candidates
+    assert TuningPolicy.from_spec(DEFAULTS["tuning"], DEFAULTS["engine"], "cpu").block_sizes == (128,)
+    assert TuningPolicy.from_spec({"blockSizes": [16, 64]}, DEFAULTS["engine"], "cpu").block_sizes == (16, 64)
     p = TuningPolicy.from_spec({"mode": "Auto", "maxNumSeqs": {"min": 16, "max": 512}, "blockSizes": [32, 16],
                                 "cooldownSeconds": 60}, {"maxNumSeqs": 4})
     assert (p.mode, p.min_max_num_seqs, p.max_max_num_seqs, p.block_sizes, p.cooldown_s) == \
