@@ -19,13 +19,12 @@ from typing import Any
 
 from . import names
 from .adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, adapter_volumes, lora_args, lora_enabled
-from .spec import parse_source, with_defaults
+from .spec import default_block_size, parse_source, with_defaults
 
 MODEL_MOUNT = "/models"
 HF_CACHE_MOUNT = "/var/cache/huggingface"
 # Probe cadence: /health is cheap; readiness reacts within ~15 s, liveness tolerates a minute of stalls.
 STARTUP_PERIOD_S = 5
-CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16   # the engine's --block-size defaults (server/engine/device.py)
 READINESS = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
 LIVENESS = {"periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6, "successThreshold": 1}
 # Engine pods drain for ENGINE_DRAIN_S after SIGTERM (serve --shutdown-timeout, set explicitly so the two
@@ -65,12 +64,6 @@ def owner_reference(pm: dict[str, Any]) -> dict[str, Any]:
     meta = pm["metadata"]
     return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": meta["name"], "uid": meta["uid"],
             "controller": True, "blockOwnerDeletion": True}
-
-
-def default_block_size(device: str) -> int:
-    """`--block-size` when spec.engine.blockSize is unset: the engine's own default for the device
-    (server/engine/device.py::pick_block_size), written out so the tuner knows where it starts."""
-    return CPU_BLOCK_SIZE if device == "cpu" else GPU_BLOCK_SIZE
 
 
 def effective_engine(spec: dict[str, Any], observed: Observed) -> dict[str, Any]:

@@ -34,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16   # the engine's --block-size defaults (server/engine/device.py)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 TUNING_MODES = ("Off", "Recommend", "Auto")
@@ -81,6 +82,12 @@ def with_defaults(spec: dict[str, Any] | None) -> dict[str, Any]:
         else:
             out.setdefault(key, default)
     return out
+
+
+def default_block_size(device: str) -> int:
+    """`--block-size` when spec.engine.blockSize is unset, for a resolved device (`cpu` or `cuda`): the engine's
+    own default (server/engine/device.py::pick_block_size), written out so the tuner knows where it starts."""
+    return CPU_BLOCK_SIZE if device == "cpu" else GPU_BLOCK_SIZE
 
 
 def parse_source(source: str) -> ModelSource:

@@ -12,13 +12,14 @@ from datetime import datetime, timezone
 from typing import Any, Sequence
 
 from .observation import Observation
+from .spec import CPU_BLOCK_SIZE
 from .validation import check_int, check_number, failer, finite, is_int
 
 MODES = ("Off", "Recommend", "Auto")
 DEFAULT_BLOCK_SIZES = (8, 16, 32)
 # On CPU the block size sets decode attention's read length (docs/engine.md, KV cache): the tuner keeps
 # the 128-token default unless spec.tuning.blockSizes lists others.
-CPU_DEFAULT_BLOCK_SIZES = (128,)
+CPU_DEFAULT_BLOCK_SIZES = (CPU_BLOCK_SIZE,)
 TUNED_FIELDS = ("maxNumSeqs", "blockSize")
 
 # Rule constants (docs/autoscaling.md explains each).

@@ -37,8 +37,9 @@ inline uint16_t bf16_bits(float x) {
 namespace exp_poly {
 constexpr float kLowest = -87.f, kLog2e = 1.44269504088896341f;
 constexpr float kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;   // ln 2 = kLn2High - kLn2Low
+// Horner's coefficients, highest degree first
 constexpr float kCoefficients[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                                    4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};   // Horner's, highest degree first
+                                    4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 }  // namespace exp_poly
 
 inline float exp_nonpositive(float x) {
