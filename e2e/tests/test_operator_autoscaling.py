@@ -167,10 +167,17 @@ def test_kv_pressure_scales_up_and_back_down_and_the_tuner_recommends(cluster, n
                 what="scale-down to 1 replica")
             assert down["lastScale"]["from"] == 2 and down["lastScale"]["to"] == 1
             assert [h["to"] for h in down["scaleHistory"]][-2:] == [2, 1]
-            described = cluster.kubectl("describe", "pm", NAME, namespace=namespace).stdout
-            for text in ("ScaledUp", "ScaledDown", "1 -> 2 engine replicas", "2 -> 1 engine replicas",
-                         "MetricsAvailable", "ScalingActive", "ScalingLimited"):
-                assert text in described, described
+            # kopf posts Events from a background queue, not with the status patch: a describe right after
+            # the status shows the scale-down may not list its Event yet (a CI run saw exactly that), so wait.
+            texts = ("ScaledUp", "ScaledDown", "1 -> 2 engine replicas", "2 -> 1 engine replicas",
+                     "MetricsAvailable", "ScalingActive", "ScalingLimited")
+
+            def described() -> str:
+                out = cluster.kubectl("describe", "pm", NAME, namespace=namespace).stdout
+                missing = [t for t in texts if t not in out]
+                assert not missing, (missing, out)
+                return out
+            wait_until(described, timeout=30, interval=1, what=f"describe listing {texts}")
 
             # ---- Recommend mode: long sequences -> a larger block size is proposed in status.
             long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 110)   # 1,100 tokens
