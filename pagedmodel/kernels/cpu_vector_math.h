@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace pagedmodel_cpu {
 
 inline float to_float(float x) { return x; }
@@ -56,6 +60,24 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
 }
+
+#if defined(__AVX512F__)
+// e^x for 16 lanes of x <= 0: exp_nonpositive's polynomial spelled in AVX-512, for loops the compiler
+// does not vectorize as well (the prefill op's one-pass softmax: the compiler's vectorization of the
+// scalar helper, plus separate passes for the sum and the bf16 rounding, was half of the AMX op's time).
+inline __m512 exp_nonpositive16(__m512 x) {
+  using namespace exp_poly;
+  x = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 y = _mm512_set1_ps(kCoefficients[0]);
+  for (int c = 1; c < 6; ++c) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kCoefficients[c]));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
 
 // max(x[0..n)), n >= 1: sixteen running maxima side by side, which vectorizes without reassociating
 // a reduction (a plain max reduction loop stays scalar without -ffast-math).
