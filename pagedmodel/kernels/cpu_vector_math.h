@@ -1,4 +1,5 @@
-// Scalar helpers written so that the loops calling them vectorize (shared by the CPU ops).
+// Scalar helpers written so that the loops calling them vectorize, and their AVX-512 spellings where
+// hand-written loops need them (shared by the CPU ops).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -37,7 +38,7 @@ inline uint16_t bf16_bits(float x) {
 // vectorizes it (std::exp is a scalar libm call): n = round(x / ln 2), r = x - n ln 2 in two parts,
 // exp(r) by a degree-6 minimax polynomial, times 2^n built in the exponent bits. Relative error
 // below 2e-7 (a few float ulps); x below -87 gives ~1e-38 instead of 0, nothing next to the max's 1.
-// The constants are shared with the AVX-512 spelling in cpu_prefill_attention.cpp.
+// The constants are shared with the AVX-512 spelling, exp_nonpositive16, below.
 namespace exp_poly {
 constexpr float kLowest = -87.f, kLog2e = 1.44269504088896341f;
 constexpr float kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;   // ln 2 = kLn2High - kLn2Low
