@@ -77,8 +77,7 @@ void add_rms_norm(T* x, T* residual, const T* weight, int64_t rows, int64_t dim,
 #if defined(__AVX512BF16__)
 // 16 bf16 values (the first `mask` lanes) as float32
 inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 mask) {
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return pagedmodel_cpu::widen_bf16x16(_mm256_maskz_loadu_epi16(mask, p));
 }
 
 // One bf16 row of silu_and_mul in AVX-512: the scalar loop's arithmetic (the same one division, the
@@ -95,7 +94,7 @@ inline void silu_and_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up,
     const __m512 q = _mm512_div_ps(g, _mm512_add_ps(one, e));
     const __m512 silu = _mm512_mask_mul_ps(q, _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ), q, e);
     const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(silu));
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+    const __m512 s = pagedmodel_cpu::widen_bf16x16(rounded);
     const __m256i product = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(s, load_bf16(up + j, mask))));
     _mm256_mask_storeu_epi16(o + j, mask, product);
   }

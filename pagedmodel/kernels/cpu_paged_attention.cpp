@@ -137,8 +137,7 @@ struct Trickle {
 // 16 values of one cache row as float32
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return pagedmodel_cpu::widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
@@ -298,7 +297,7 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
 #if defined(__AVX512F__)
     std::vector<__m512> partial(DC > 0 ? group * 16 : 0);     // q.k partial sums awaiting their reduction
 #endif
-    const int64_t row_lines = (width * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T)), row_lines = (row_bytes + 63) / 64;
     Trickle ahead;
     ahead.lines.resize(DC > 0 ? CHUNK * row_lines : 0);
     for (int64_t taken = next++; taken < items; taken = next++) {
@@ -318,7 +317,6 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
         const int64_t t = u < len ? u : u - len;
         return block_base(t / block_size, u < len ? 0 : plane) + (t % block_size) * token_stride;
       };
-      const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T));
       int64_t in_l1 = 0, in_l2 = 0;   // reads [0, in_l1) were asked for into L1, [0, in_l2) into L2
       auto prefetch_before = [&](int64_t end) {   // reads [.., end) are next
         for (const int64_t stop = std::min(end + L2_AHEAD, 2 * len); in_l2 < stop; ++in_l2)

@@ -63,6 +63,11 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
+// 16 bf16 values (their bits) as float32: bf16 is the top half of a float32
+inline __m512 widen_bf16x16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // e^x for 16 lanes of x <= 0: exp_nonpositive's polynomial spelled in AVX-512, for loops the compiler
 // does not vectorize as well (the prefill op's one-pass softmax: the compiler's vectorization of the
 // scalar helper, plus separate passes for the sum and the bf16 rounding, was half of the AMX op's time).
