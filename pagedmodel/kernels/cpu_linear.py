@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_features, cpu_paged_attention
+from . import cpu_features, cpu_paged_attention, huge_pages
 from .cpu_linear_plan import LinearPlan, choose_plans
 
 log = logging.getLogger("pagedmodel.kernels.cpu_linear")
@@ -58,6 +58,7 @@ AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})   # what cpu_bf16_
 PANEL = 32                          # output columns per panel (cpu_bf16_linear.cpp)
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})   # what cpu_amx_linear.cpp runs on
 AMX_TILE_COLS, AMX_TILE_DEPTH = 16, 32   # a weight tile's output and input columns (cpu_amx_linear.cpp)
+HUGE_PAGE_BATCH = 64 << 20          # bytes of packed copies moved at a time: the extra memory while they move
 
 
 def _choice(env: str | None = None) -> str:
@@ -224,3 +225,25 @@ def pack_linears(model: nn.Module, extra_weights: tuple[torch.Tensor, ...] = ())
     if targets:
         log.info("%d linear layers use oneDNN-prepacked weights (%s=off turns it off)", len(targets), LINEAR_ENV)
     return packing
+
+
+def place_on_huge_pages(model: nn.Module) -> int:
+    """Moves the packed copies our ops stream (panels, AMX tiles) of every ``PackedLinear`` in ``model`` onto
+    2 MB pages (``huge_pages.py``: a decode step reads all of them, and on 4 KB pages each 4 KB is a TLB
+    miss), ``HUGE_PAGE_BATCH`` bytes at a time so the move never holds a second copy of the whole model.
+    oneDNN's packed weights are opaque tensors and stay where they are. Returns the bytes moved."""
+    if not huge_pages.available():
+        return 0
+    slots = [(mod, name) for mod in model.modules() if isinstance(mod, PackedLinear)
+             for name in ("panels", "amx_tiles") if getattr(mod, name) is not None]
+    moved, batch, batch_bytes = 0, [], 0
+    for i, (mod, name) in enumerate(slots):
+        tensor = getattr(mod, name)
+        batch.append((mod, name))
+        batch_bytes += tensor.numel() * tensor.element_size()
+        if batch_bytes >= HUGE_PAGE_BATCH or i == len(slots) - 1:
+            for (owner, attr), copy in zip(batch, huge_pages.gather([getattr(m, n) for m, n in batch])):
+                setattr(owner, attr, copy)
+            moved, batch, batch_bytes = moved + batch_bytes, [], 0
+    huge_pages.return_freed_memory()
+    return moved

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedmodel.kernels import huge_pages
 from pagedmodel.kernels.backend import AttentionBackend
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -20,9 +21,14 @@ class KVCache:
         self.block_size = block_size
         self.backend = backend
         self.device = torch.device(device)
-        # zeros, not empty: attention reads (and masks) a block's unused tail, and NaN * 0 is still NaN
+        # zeros, not empty: attention reads (and masks) a block's unused tail, and NaN * 0 is still NaN.
+        # On CPU the blocks go on 2 MB pages: a step's reads hop from block to block over the whole cache,
+        # a TLB miss per 4 KB page otherwise (pagedmodel/kernels/huge_pages.py).
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if self.device.type == "cpu":
+            self.layers = [huge_pages.zeros(shape, dtype) for _ in range(num_layers)]
+        else:
+            self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.nbytes = sum(t.numel() * t.element_size() for t in self.layers)
         self.num_cpu_blocks = num_cpu_blocks
         self._cpu_shape = (2, num_cpu_blocks, block_size, num_kv_heads, head_dim)

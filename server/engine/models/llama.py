@@ -226,4 +226,6 @@ class LlamaForCausalLM(nn.Module):
             self.logits_head = cpu_linear.PackedLinear(self.embed_tokens.weight, plan=packing.plan_for(self.embed_tokens.weight),
                                                        float_output=True)
             packed += 1
+        if packed:
+            cpu_linear.place_on_huge_pages(self)
         return packed
