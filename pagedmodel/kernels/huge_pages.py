@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
 import os
 import sys
 
@@ -74,7 +75,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor whose memory starts on a 2 MB boundary and is advised to be mapped on
     2 MB pages (an ordinary ``torch.empty`` where ``available()`` is false). The advice takes effect as
     the pages are first written, so it must come before any write: this is the place for that."""
-    nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not available() or nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
@@ -115,10 +116,3 @@ def return_freed_memory() -> None:
     trim = getattr(_libc(), "malloc_trim", None) if _libc() is not None else None
     if trim is not None:
         trim(0)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
