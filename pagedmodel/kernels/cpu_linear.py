@@ -238,9 +238,8 @@ def place_on_huge_pages(model: nn.Module) -> int:
              for name in ("panels", "amx_tiles") if getattr(mod, name) is not None]
     moved, batch, batch_bytes = 0, [], 0
     for i, (mod, name) in enumerate(slots):
-        tensor = getattr(mod, name)
         batch.append((mod, name))
-        batch_bytes += tensor.numel() * tensor.element_size()
+        batch_bytes += getattr(mod, name).nbytes
         if batch_bytes >= HUGE_PAGE_BATCH or i == len(slots) - 1:
             for (owner, attr), copy in zip(batch, huge_pages.gather([getattr(m, n) for m, n in batch])):
                 setattr(owner, attr, copy)

@@ -98,12 +98,11 @@ def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        total += -(-t.nbytes // ALIGN) * ALIGN
     region = empty((total,), torch.uint8)
     copies = []
     for t, at in zip(tensors, offsets):
-        nbytes = t.numel() * t.element_size()
-        copy = region[at:at + nbytes].view(t.dtype).view(t.shape)
+        copy = region[at:at + t.nbytes].view(t.dtype).view(t.shape)
         copy.copy_(t)
         copies.append(copy)
     return copies
@@ -113,6 +112,6 @@ def return_freed_memory() -> None:
     """Hands the heap's free memory back to the kernel (glibc's ``malloc_trim``; a no-op elsewhere). Tensors
     of a few megabytes come from the heap, and the originals ``gather`` replaced stay resident there
     otherwise: on SmolLM2 the process kept 140-490 MB more than before the move."""
-    trim = getattr(_libc(), "malloc_trim", None) if _libc() is not None else None
+    trim = getattr(_libc(), "malloc_trim", None)   # None off Linux, or without glibc
     if trim is not None:
         trim(0)
