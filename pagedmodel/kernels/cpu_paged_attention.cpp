@@ -112,18 +112,20 @@ inline void block_values(const float* p, const float* v, int64_t n, int64_t v_st
   }
 }
 
-// Cache lines asked for into L1 a few at a time from inside the compute loops: `step` issues the next
+// Cache lines asked for a few at a time from inside the compute loops: `step` issues the next
 // `per_step` of the queued lines, `drain` the rest. Issued all at once before a chunk, a chunk's 96
 // prefetches wait for the line fill buffers with the compute stuck behind them; spread over the
-// chunk's token steps they overlap it (see the read-ahead note above rows_attention).
+// chunk's token steps they overlap it (see the read-ahead note above rows_attention). They go to L2
+// (the T2 hint), not L1: a request into L1 holds a fill buffer until its line arrives from DRAM, and
+// those buffers are what the loads of the compute need too.
 struct Trickle {
   std::vector<const char*> lines;
   int64_t next = 0, end = 0, per_step = 0;
   void step() {
-    for (int64_t k = 0; k < per_step && next < end; ++k) __builtin_prefetch(lines[next++], 0, 3);
+    for (int64_t k = 0; k < per_step && next < end; ++k) __builtin_prefetch(lines[next++], 0, 1);
   }
   void drain() {
-    while (next < end) __builtin_prefetch(lines[next++], 0, 3);
+    while (next < end) __builtin_prefetch(lines[next++], 0, 1);
   }
 };
 
@@ -140,6 +142,26 @@ inline __m512 load16(const c10::BFloat16* p) {
   return pagedmodel_cpu::widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// One cache row's DC vectors as float32. A bf16 row is read 32 values (64 bytes) at a time, each run
+// giving two vectors: its even-indexed values (shifted into the high half) and its odd ones (the low half
+// masked off), one integer op each, where widening 16 values in order costs a cross-lane conversion as
+// well (the port the reduction tree's shuffles also need). The q vectors and accumulators are kept in
+// the same order (split_pairs), so nothing else changes.
+template <int DC, typename T>
+inline void load_row(const T* p, __m512* v) {
+  for (int c = 0; c < DC; ++c) v[c] = load16(p + 16 * c);
+}
+template <int DC>
+inline void load_row(const c10::BFloat16* p, __m512* v) {
+  static_assert(DC % 2 == 0, "bf16 rows are read 32 values at a time");
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int c = 0; c < DC; c += 2) {
+    const __m512i x = _mm512_loadu_si512(p + 16 * c);
+    v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    v[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+  }
+}
 
 // out[t] = the sum of v[t]'s 16 lanes, for t < 16 (each level halves the vectors, adding lane pairs)
 inline __m512 transpose_sum16(const __m512* v) {
@@ -172,7 +194,7 @@ inline void tile_scores(const float* q, const T* k, int64_t n, int64_t k_stride,
     for (int c = 0; c < DC; ++c) qr[g][c] = _mm512_loadu_ps(q + (g * DC + c) * 16);
   for (int64_t i = 0; i < n; ++i) {
     __m512 kc[DC];
-    for (int c = 0; c < DC; ++c) kc[c] = load16(k + i * k_stride + 16 * c);
+    load_row<DC>(k + i * k_stride, kc);
     ahead.step();
     for (int g = 0; g < G; ++g) {   // two chains: a dot product is not one long dependency
       __m512 a0 = _mm512_mul_ps(qr[g][0], kc[0]), a1 = _mm512_mul_ps(qr[g][1], kc[1]);
@@ -199,7 +221,7 @@ inline void tile_values(const float* p, const T* v, int64_t n, int64_t v_stride,
     for (int c = 0; c < DC; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * DC + c) * 16);
   for (int64_t i = 0; i < n; ++i) {
     __m512 vc[DC];
-    for (int c = 0; c < DC; ++c) vc[c] = load16(v + i * v_stride + 16 * c);
+    load_row<DC>(v + i * v_stride, vc);
     ahead.step();
     for (int g = 0; g < G; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * stride + i]);
@@ -244,7 +266,28 @@ inline void block_values_direct(const float* p, const T* v, int64_t n, int64_t v
 }
 #endif
 
-// Asks for one cache row's `bytes` ahead of use, into L1 (Locality 3) or L2 (2).
+// Whether load_row reads this cache dtype's rows as (even, odd) halves of each 32 values.
+template <int DC, typename T>
+constexpr bool kSplitsPairs = DC > 0 && std::is_same_v<T, c10::BFloat16>;
+
+// x (n a multiple of 32) reordered in place the way load_row<bf16> reads a row: each run of 32 values
+// becomes its 16 even-indexed values, then its 16 odd ones; join_pairs undoes it.
+inline void split_pairs(float* x, int64_t n) {
+  float run[32];
+  for (int64_t base = 0; base < n; base += 32) {
+    for (int i = 0; i < 16; ++i) run[i] = x[base + 2 * i], run[16 + i] = x[base + 2 * i + 1];
+    std::copy(run, run + 32, x + base);
+  }
+}
+inline void join_pairs(float* x, int64_t n) {
+  float run[32];
+  for (int64_t base = 0; base < n; base += 32) {
+    for (int i = 0; i < 16; ++i) run[2 * i] = x[base + i], run[2 * i + 1] = x[base + 16 + i];
+    std::copy(run, run + 32, x + base);
+  }
+}
+
+// Asks for one cache row's `bytes` ahead of use: into L1 (Locality 3), L2 (2), or L2 with the T2 hint (1).
 template <int Locality>
 inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(row) + off, 0, Locality);
@@ -263,7 +306,11 @@ inline void prefetch_row(const void* row, int64_t bytes) {
 // fill buffers with the compute stuck behind it. On an AMX Xeon (SmolLM2's 27-row mixed batch, 11,030
 // context tokens, bf16, one thread, the two builds alternated in one process) a layer call took 0.94
 // against 1.14 ms with DRAM-resident caches and 0.58 against 0.77 ms from the last-level cache; the
-// trickle with an L2 stream beside it was slower than without one.
+// trickle with an L2 stream beside it was slower than without one. Later, on 2 MB pages, the trickle's
+// hint went from T0 (into L1) to T2 (into L2): 0.786 -> 0.734 ms a call from DRAM (the same batch and
+// setup, medians of 8 alternated rounds; a plain read of scattered 128 KB blocks here streams 10.0 GB/s
+// with no prefetch, 14.5 with T0 192 lines ahead, 15.9 with T2), alike from L2. With the bf16 rows read
+// as even/odd halves (load_row) as well: 0.728 ms, and 0.103 -> 0.097 ms on an L2-resident batch.
 constexpr int64_t L2_AHEAD = 64;
 constexpr int64_t L1_AHEAD = 32;
 constexpr int64_t CHUNK = 16;   // tokens per q.k reduction tree, and per prefetch into L1
@@ -308,6 +355,7 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
       const T* qsrc = query + (r * q_heads + h0 * group) * dim;
 #pragma omp simd
       for (int64_t c = 0; c < heads * dim; ++c) q[c] = to_float(qsrc[c]) * scale;
+      if constexpr (kSplitsPairs<DC, T>) split_pairs(q.data(), heads * dim);
       auto block_base = [&](int64_t b, int64_t offset) {
         return cache + offset + (static_cast<int64_t>(table[b]) * block_size) * token_stride + h0 * dim;
       };
@@ -317,7 +365,9 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
         const int64_t t = u < len ? u : u - len;
         return block_base(t / block_size, u < len ? 0 : plane) + (t % block_size) * token_stride;
       };
-      int64_t in_l1 = 0, in_l2 = 0;   // reads [0, in_l1) were asked for into L1, [0, in_l2) into L2
+      // reads [0, in_l1) were asked for by the near read-ahead (into L1 in the generic steps, L2 by the
+      // AVX-512 steps' trickle), [0, in_l2) by the generic steps' far one into L2
+      int64_t in_l1 = 0, in_l2 = 0;
       auto prefetch_before = [&](int64_t end) {   // reads [.., end) are next
         for (const int64_t stop = std::min(end + L2_AHEAD, 2 * len); in_l2 < stop; ++in_l2)
           prefetch_row<2>(read_row(in_l2), row_bytes);
@@ -334,7 +384,7 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
         ahead.per_step = (ahead.end + steps - 1) / steps;
       };
       if constexpr (DC > 0)
-        for (; in_l1 < std::min(L1_AHEAD, 2 * len); ++in_l1) prefetch_row<3>(read_row(in_l1), row_bytes);
+        for (; in_l1 < std::min(L1_AHEAD, 2 * len); ++in_l1) prefetch_row<1>(read_row(in_l1), row_bytes);   // into L2
       for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t n = tokens_in(b);
 #if defined(__AVX512F__)
@@ -391,6 +441,7 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
           block_values(scores.data() + hh * group * stride + b * block_size, block.data() + hh * dim, n, width,
                        group, dim, acc.data() + hh * group * dim, stride);
       }
+      if constexpr (kSplitsPairs<DC, T>) join_pairs(acc.data(), heads * dim);
       T* dst = out + (r * q_heads + h0 * group) * dim;
       for (int64_t j = 0; j < heads; ++j) {
         const float inv = 1.f / sums[j];
