@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_cache_write.h"
+
 namespace {
 
 void check_rows(const at::Tensor& rows, const at::Tensor& kv_cache, const char* name) {
@@ -21,6 +23,10 @@ void check_rows(const at::Tensor& rows, const at::Tensor& kv_cache, const char* 
               " must be [tokens, kv_heads, head_dim] of the cache's heads and head dim");
   TORCH_CHECK(rows.stride(2) == 1 && rows.stride(1) == rows.size(2), name, ": each token's heads must be contiguous");
 }
+
+}  // namespace
+
+namespace pagedmodel_cpu {
 
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -47,10 +53,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
   }
 }
 
-}  // namespace
+}  // namespace pagedmodel_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagedmodel, m) {
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedmodel, CPU, m) { m.impl("write_kv", &write_kv); }
+TORCH_LIBRARY_IMPL(pagedmodel, CPU, m) { m.impl("write_kv", &pagedmodel_cpu::write_kv); }

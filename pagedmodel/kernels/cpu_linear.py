@@ -178,10 +178,7 @@ class PackedLinear(nn.Module):
             self.bias32 = bias.detach().float() if float32_paths and bias is not None else None
         self.min_rows = MIN_ROWS[self.weight.dtype]
         self.float_output = float_output
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+        self.out_features = self.weight.shape[0]   # a plain int: the weight is a parameter, slow to reach per call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():   # a compiled forward: inductor packs the weight itself
@@ -189,9 +186,10 @@ class PackedLinear(nn.Module):
         rows = x.shape[0] if x.dim() == 2 else 0
         if rows < self.min_rows:
             return F.linear(x, self.weight, self.bias)
-        if rows <= self.plan.panel_max_rows:   # neither op builds a primitive per shape: no padding
+        plan = self.plan
+        if rows <= plan.panel_max_rows:   # neither op builds a primitive per shape: no padding
             return self._panel_op(x, self.panels, self.out_features, self.bias32, self.float_output)
-        if rows <= self.plan.amx_max_rows:
+        if rows <= plan.amx_max_rows:
             return self._amx_op(x, self.amx_tiles, self.out_features, self.bias32, self.float_output)
         wide = self.packed32 is not None and rows >= self.plan.float32_min_rows
         padded = padded_rows(rows)

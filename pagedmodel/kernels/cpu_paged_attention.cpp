@@ -1,6 +1,6 @@
 // Paged attention for short query rows on CPU, reading K/V in place from the paged cache.
 //
-// Row r of `query` ([R, q_heads, dim]) attends to the first row_len[r] context tokens of the
+// Row r of `query` ([R, q_heads, dim]; rows may be strided) attends to the first row_len[r] context tokens of the
 // sequence whose block table is block_tables[row_seq[r]]. A decode row has row_len = seq_len; row
 // j of a chunk of q_len rows over a context of seq_len has row_len = seq_len - q_len + j + 1
 // (causal). A work item is a row with all its kv heads (or, when rows are too few to keep the threads
@@ -18,7 +18,7 @@
 // torch.ops.pagedmodel.paged_rows_attention.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -317,7 +317,7 @@ constexpr int64_t CHUNK = 16;   // tokens per q.k reduction tree, and per prefet
 
 // DC > 0: the AVX-512 block steps for head dim 16 * DC; 0: the generic ones.
 template <int DC, typename T>
-void rows_attention(const T* query, const T* cache, const int32_t* tables, const int64_t* row_seq,
+void rows_attention(const T* query, int64_t query_stride, const T* cache, const int32_t* tables, const int64_t* row_seq,
                     const int32_t* row_len, T* out, int64_t rows, int64_t q_heads, int64_t kv_heads,
                     int64_t dim, int64_t block_size, int64_t table_width, int64_t plane, int64_t max_len,
                     float scale) {
@@ -352,7 +352,7 @@ void rows_attention(const T* query, const T* cache, const int32_t* tables, const
       const int64_t len = row_len[r], nblocks = (len + block_size - 1) / block_size;
       const int32_t* table = tables + row_seq[r] * table_width;
       // the item's query heads are consecutive: kv head h serves query heads h * group .. h * group + group - 1
-      const T* qsrc = query + (r * q_heads + h0 * group) * dim;
+      const T* qsrc = query + r * query_stride + h0 * group * dim;
 #pragma omp simd
       for (int64_t c = 0; c < heads * dim; ++c) q[c] = to_float(qsrc[c]) * scale;
       if constexpr (kSplitsPairs<DC, T>) split_pairs(q.data(), heads * dim);
@@ -466,7 +466,9 @@ void dispatch_dim(int64_t dim, Fn&& fn) {
 at::Tensor paged_rows_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                 const at::Tensor& row_seq, const at::Tensor& row_len, double scale) {
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2, "bad ranks");
-  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_tables.is_contiguous(), "kv_cache and block_tables must be contiguous");
+  // rows may be strided (the queries of the fused qkv projection's output); each row's heads are one run
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "each query row's heads must be contiguous");
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && row_len.scalar_type() == at::kInt &&
@@ -476,7 +478,7 @@ at::Tensor paged_rows_attention(const at::Tensor& query, const at::Tensor& kv_ca
   TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == dim && q_heads % kv_heads == 0, "shape mismatch");
   TORCH_CHECK(row_seq.numel() == rows && row_len.numel() == rows, "one row_seq/row_len per query row");
   const int64_t plane = kv_cache.size(1) * block_size * kv_heads * dim;
-  at::Tensor out = at::empty_like(query);
+  at::Tensor out = at::empty(query.sizes(), query.options());
   const auto* tables = block_tables.data_ptr<int32_t>();
   const auto* seq = row_seq.data_ptr<int64_t>();
   const auto* len = row_len.data_ptr<int32_t>();
@@ -495,23 +497,24 @@ at::Tensor paged_rows_attention(const at::Tensor& query, const at::Tensor& kv_ca
   switch (query.scalar_type()) {
     case at::kFloat:
       dispatch_dim(dim, [&](auto dc) {
-        rows_attention<decltype(dc)::value>(query.data_ptr<float>(), kv_cache.data_ptr<float>(), tables, seq, len,
-                                            out.data_ptr<float>(), rows, q_heads, kv_heads, dim, block_size, width,
-                                            plane, max_len, s);
+        rows_attention<decltype(dc)::value>(query.data_ptr<float>(), query.stride(0), kv_cache.data_ptr<float>(), tables,
+                                            seq, len, out.data_ptr<float>(), rows, q_heads, kv_heads, dim, block_size,
+                                            width, plane, max_len, s);
       });
       break;
     case at::kBFloat16:
       dispatch_dim(dim, [&](auto dc) {
-        rows_attention<decltype(dc)::value>(query.data_ptr<c10::BFloat16>(), kv_cache.data_ptr<c10::BFloat16>(), tables,
-                                            seq, len, out.data_ptr<c10::BFloat16>(), rows, q_heads, kv_heads, dim,
-                                            block_size, width, plane, max_len, s);
+        rows_attention<decltype(dc)::value>(query.data_ptr<c10::BFloat16>(), query.stride(0),
+                                            kv_cache.data_ptr<c10::BFloat16>(), tables, seq, len,
+                                            out.data_ptr<c10::BFloat16>(), rows, q_heads, kv_heads, dim, block_size,
+                                            width, plane, max_len, s);
       });
       break;
     case at::kHalf:
       dispatch_dim(dim, [&](auto dc) {
-        rows_attention<decltype(dc)::value>(query.data_ptr<c10::Half>(), kv_cache.data_ptr<c10::Half>(), tables, seq,
-                                            len, out.data_ptr<c10::Half>(), rows, q_heads, kv_heads, dim, block_size,
-                                            width, plane, max_len, s);
+        rows_attention<decltype(dc)::value>(query.data_ptr<c10::Half>(), query.stride(0), kv_cache.data_ptr<c10::Half>(),
+                                            tables, seq, len, out.data_ptr<c10::Half>(), rows, q_heads, kv_heads, dim,
+                                            block_size, width, plane, max_len, s);
       });
       break;
     default:

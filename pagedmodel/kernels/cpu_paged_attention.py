@@ -44,7 +44,7 @@ HERE = Path(__file__).parent
 SOURCES = (HERE / "cpu_paged_attention.cpp", HERE / "cpu_logits_stats.cpp", HERE / "cpu_layer_ops.cpp",
            HERE / "cpu_bf16_linear.cpp", HERE / "cpu_sampling.cpp", HERE / "cpu_prefill_attention.cpp",
            HERE / "cpu_cache_write.cpp", HERE / "cpu_amx_linear.cpp")
-HEADERS = (HERE / "cpu_vector_math.h", HERE / "cpu_amx_tiles.h")
+HEADERS = (HERE / "cpu_vector_math.h", HERE / "cpu_amx_tiles.h", HERE / "cpu_cache_write.h")
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
           "-fno-math-errno"]
 

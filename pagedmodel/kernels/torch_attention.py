@@ -123,8 +123,8 @@ def rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     q = query.to(kv_cache.dtype)
     op = cpu_paged_attention.load() if kv_cache.device.type == "cpu" else None
     if op is not None:
-        out = op(q.contiguous(), kv_cache, block_tables.to(torch.int32).contiguous(), plan.row_seq,
-                 plan.row_len, scale)
+        out = op(q if _heads_contiguous(q) else q.contiguous(), kv_cache, block_tables.to(torch.int32).contiguous(),
+                 plan.row_seq, plan.row_len, scale)
     else:
         out = rows_attention_bucketed(q, kv_cache, block_tables, plan.row_seq, plan.row_lens, scale)
     return out.to(query.dtype)

@@ -67,6 +67,32 @@ def test_rotary_in_place_on_strided_slices_matches_the_torch_formula(ops, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_and_write_kv_is_rotary_then_the_cache_write(ops, dtype):
+    """On the fused qkv projection's output in place: queries and keys rotated as rotary_embedding does,
+    keys and values into their slots as write_kv does (a negative slot skips its row), queries left in qkv."""
+    from types import SimpleNamespace
+    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), 64, 512)
+    qkv = torch.randn(6, (9 + 3 + 3) * 64, generator=_gen(5)).to(dtype)
+    positions = torch.tensor([0, 5, 511, 17, 3, 200])
+    slots = torch.tensor([9, 2, -1, 30, 0, 17])
+    want_qkv = qkv.clone()
+    q, k, v = want_qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k, v = q.view(-1, 9, 64), k.view(-1, 3, 64), v.view(-1, 3, 64)
+    ops.rotary_embedding(q, rope.cos, rope.sin, positions)
+    ops.rotary_embedding(k, rope.cos, rope.sin, positions)
+    want_cache = torch.randn(2, 4, 8, 3, 64, generator=_gen(6)).to(dtype)
+    cache = want_cache.clone()
+    ops.write_kv(k, v, want_cache, slots)
+    ops.rotary_and_write_kv(qkv, rope.cos, rope.sin, positions, cache, slots, 9)
+    assert torch.equal(qkv[:, :12 * 64], want_qkv[:, :12 * 64]) and torch.equal(qkv[:, 12 * 64:], want_qkv[:, 12 * 64:])
+    assert torch.equal(cache, want_cache)
+    with pytest.raises(RuntimeError, match="q_heads"):
+        ops.rotary_and_write_kv(qkv, rope.cos, rope.sin, positions, cache, slots, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rotary_and_write_kv(qkv, rope.cos, rope.sin, positions, cache, torch.tensor([0, 1, 2, 3, 4, 32]), 9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_engine_tokens_are_the_same_with_or_without_the_fused_ops(tiny_llama_dir, monkeypatch, dtype):
     """Greedy tokens of the whole engine, fused ops on and off (PAGEDMODEL_CPU_ATTENTION_OP=off turns
     the CPU ops extension off; the attention then runs on torch ops too, which is tested equal elsewhere)."""
@@ -88,7 +114,7 @@ def test_engine_tokens_are_the_same_with_or_without_the_fused_ops(tiny_llama_dir
         assert sum(x != y for x, y in zip(runs["auto"], runs["off"])) <= 1
 
 
-def test_a_bf16_model_keeps_float32_rotary_tables_and_takes_the_fused_op(ops, monkeypatch):
+def test_a_bf16_model_keeps_float32_rotary_tables_and_takes_the_fused_op(ops):
     """``model.to(bfloat16)`` moves the cos/sin tables but leaves them float32, so bf16 steps rotate
     in the fused op (which reads float32 tables) rather than on torch ops with bf16 tables."""
     from types import SimpleNamespace
@@ -97,8 +123,7 @@ def test_a_bf16_model_keeps_float32_rotary_tables_and_takes_the_fused_op(ops, mo
     rope.to(dtype=torch.bfloat16)
     assert rope.cos.dtype == rope.sin.dtype == torch.float32 and torch.equal(rope.cos, want)
     calls = []
-    monkeypatch.setattr("pagedmodel.server.engine.models.llama.cpu_layer_ops",
-                        lambda x: SimpleNamespace(rotary_embedding=lambda *a: calls.append(a[0].dtype)))
+    layer_ops = SimpleNamespace(rotary_embedding=lambda *a: calls.append(a[0].dtype))
     q, k = torch.zeros(3, 9, 64, dtype=torch.bfloat16), torch.zeros(3, 3, 64, dtype=torch.bfloat16)
-    rope(torch.arange(3), q, k)
+    rope(torch.arange(3), q, k, layer_ops)
     assert calls == [torch.bfloat16, torch.bfloat16]

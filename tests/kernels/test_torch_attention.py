@@ -106,6 +106,20 @@ def test_a_row_read_one_kv_head_at_a_time_or_all_at_once(op_mode, rows):
     _check([1] * rows, lens, block_size=16, q_heads=9, kv_heads=3, head_dim=64, seed=rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_queries_read_in_place_from_the_fused_projection(op_mode, dtype):
+    """The model hands over its queries as a strided view of the qkv projection's output (rows 15 heads
+    wide, 9 of them queries): a decode step's rows go to the op as they are, and give what a contiguous
+    copy gives."""
+    batch = make_batch([1, 1, 1, 1], [40, 3, 20, 77], dtype=dtype, block_size=16, q_heads=9, kv_heads=3)
+    qkv = torch.randn(batch.query.shape[0], 15, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    qkv[:, :9] = batch.query
+    strided = qkv[:, :9]
+    assert not strided.is_contiguous()
+    got = torch_attention.paged_attention(strided, batch.kv_cache, batch.meta, 0.125)
+    assert torch.equal(got, torch_attention.paged_attention(batch.query, batch.kv_cache, batch.meta, 0.125))
+
+
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 40)), min_size=1, max_size=8), st.integers(0, 2**16))
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_random_batches(op_mode, rows, seed):

@@ -19,7 +19,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def cpu_layer_ops(x: torch.Tensor):
-    """The fused C++ layer ops (``pagedmodel/kernels/cpu_layer_ops.cpp``) where they apply to ``x``, else None."""
+    """The fused C++ layer ops (``pagedmodel/kernels/cpu_layer_ops.cpp``) where they apply to ``x``, else None.
+    The model looks them up once a forward and hands them to every layer (``ops``): looked up per call, as
+    each of a step's ~150 call sites once did, the lookups cost ~0.3 ms a step."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     if torch.compiler.is_compiling():   # a compiled forward: inductor fuses the torch path itself
@@ -39,12 +41,12 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``; on CPU in one pass, overwriting both inputs."""
-        ops = cpu_layer_ops(x)
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; with the CPU layer ``ops``, in one pass, overwriting both inputs."""
+        weight = self.weight
         if ops is not None and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() \
-                and self.weight.dtype == x.dtype == residual.dtype:
-            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                and weight.dtype == x.dtype == residual.dtype:
+            ops.fused_add_rms_norm(x, residual, weight, self.eps)
             return x, residual
         residual = x + residual
         return self(residual), residual
@@ -93,14 +95,18 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
         return self
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ops = cpu_layer_ops(q)
-        if ops is not None and self.cos.dtype == torch.float32 and self.cos.is_contiguous():
-            ops.rotary_embedding(q, self.cos, self.sin, positions)   # in place, in one pass each
-            ops.rotary_embedding(k, self.cos, self.sin, positions)
+    def fused(self, ops) -> bool:
+        """Whether the CPU layer ``ops`` rotate here: they read float32 tables."""
+        return ops is not None and self.cos.dtype == torch.float32 and self.cos.is_contiguous()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos, self.sin
+        if self.fused(ops):
+            ops.rotary_embedding(q, cos, sin, positions)   # in place, in one pass each
+            ops.rotary_embedding(k, cos, sin, positions)
             return q, k
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        cos = cos[positions].to(q.dtype)[:, None, :]
+        sin = sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -125,12 +131,20 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+                meta: AttentionMetadata, backend: AttentionBackend, ops=None) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        if meta is not None and backend.name == "torch" and kv_cache.dtype == qkv.dtype and self.rotary.fused(ops):
+            # the torch backend's cache on CPU: rotary and the cache write in one call, queries read in place
+            ops.rotary_and_write_kv(qkv, self.rotary.cos, self.rotary.sin, positions, kv_cache, meta.slot_mapping,
+                                    self.num_heads)
+            q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, :self.num_heads]
+            out = backend.paged_attention(q, kv_cache, meta, self.scale)
+            return self.o_proj(out.reshape(-1, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, ops)
         if meta is None:   # the compiled forward: one opaque op reads the step (compiled_forward.py)
             out = forward_attention(q, k, v, self.layer_idx, self.scale)
         else:
@@ -148,9 +162,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        ops = cpu_layer_ops(gate_up)
         if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
             return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -165,16 +178,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, positions, kv_cache, meta, backend):
+    def forward(self, x, residual, positions, kv_cache, meta, backend, ops=None):
         """``x`` is the previous layer's output before its residual add, ``residual`` the running sum
-        (None at the first layer): each add is fused with the norm that follows it."""
+        (None at the first layer): each add is fused with the norm that follows it. ``ops``: the CPU layer
+        ops (``cpu_layer_ops``), or None for torch's."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, positions, kv_cache, meta, backend)
-        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm.add_and_norm(x, residual, ops)
+        h = self.self_attn(h, positions, kv_cache, meta, backend, ops)
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual, ops)
+        return self.mlp(h, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -195,12 +209,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        ops = cpu_layer_ops(x)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, kv_cache, meta, backend)
+            x, residual = layer(x, residual, positions, kv_cache, meta, backend, ops)
         if residual is None:   # no layers
             return self.norm(x)
-        return self.norm.add_and_norm(x, residual)[0]
+        return self.norm.add_and_norm(x, residual, ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """The head's logits; ``float32=False`` leaves them in the dtype the head computed them in (the
