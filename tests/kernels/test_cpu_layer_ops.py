@@ -47,13 +47,14 @@ def test_silu_and_mul_matches_torch(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_strided_slices_matches_the_torch_formula(ops, dtype):
+@pytest.mark.parametrize("dim", [64, 40])   # 40: half a head is 20 values, a vector and a partial one
+def test_rotary_in_place_on_strided_slices_matches_the_torch_formula(ops, dtype, dim):
     from types import SimpleNamespace
     config = SimpleNamespace(rope_theta=10000.0)
-    rope = RotaryEmbedding(config, 64, 512)
-    qkv = torch.randn(11, (9 + 3 + 3) * 64, generator=_gen(4)).to(dtype)
-    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
-    q, k = q.view(-1, 9, 64), k.view(-1, 3, 64)
+    rope = RotaryEmbedding(config, dim, 512)
+    qkv = torch.randn(11, (9 + 3 + 3) * dim, generator=_gen(4)).to(dtype)
+    q, k, _ = qkv.split([9 * dim, 3 * dim, 3 * dim], dim=-1)
+    q, k = q.view(-1, 9, dim), k.view(-1, 3, dim)
     positions = torch.tensor([0, 1, 2, 7, 100, 511, 3, 3, 64, 65, 200])
     cos = rope.cos[positions].to(dtype)[:, None, :]
     sin = rope.sin[positions].to(dtype)[:, None, :]
