@@ -67,7 +67,7 @@ inline __mmask16 tail_mask(int64_t width, int64_t j) {
 
 // One bf16 row of add_rms_norm in AVX-512, each rounding one VCVTNEPS2BF16 where the compiler's
 // vectorization of bf16_bits spends six integer ops: a 2,048-row prefill chunk (SmolLM2's 576 wide, one
-// thread, an AMX Xeon, the two builds alternated) took 0.65 -> 0.45 ms a call, with the same outputs
+// thread, an AMX Xeon, the two builds alternated) took 0.61-0.65 -> 0.42-0.45 ms a call, same outputs
 // (the sum of squares, added in another order, moved no bf16 result there).
 inline void add_rms_norm_row(c10::BFloat16* x, c10::BFloat16* residual, const c10::BFloat16* weight, int64_t dim,
                              float eps, float* sum) {
@@ -165,7 +165,7 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
 #if defined(__AVX512BF16__)
 // One bf16 head of rotary in AVX-512, its arithmetic and roundings the scalar loop's (c, s: the token's
 // table rows, already rounded to bf16). With the tables rounded once a token rather than once a head, a
-// 2,048-token prefill chunk's 12 heads took 0.81 -> 0.69 ms (same outputs; the setup as add_rms_norm_row's).
+// 2,048-token prefill chunk's 12 heads took 0.81-0.86 -> 0.56-0.69 ms (same outputs; the setup as add_rms_norm_row's).
 inline void rotary_head(c10::BFloat16* v, int64_t half, const float* c, const float* s) {
   for (int64_t d = 0; d < half; d += 16) {
     const __mmask16 mask = tail_mask(half, d);
