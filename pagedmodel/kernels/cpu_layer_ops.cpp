@@ -1,7 +1,8 @@
 // The elementwise work of a decoder layer in one pass each, on CPU: residual add + RMSNorm,
-// SiLU(gate) * up, and rotary embedding in place (alone, or with the step's cache write after it). In torch each is a chain of ops (RMSNorm alone is
-// a float copy, pow, mean, add, rsqrt, mul, a copy back and the weight's mul), every one a pass
-// over the activations; a bf16 SmolLM2 decode step spent 12-15 % of its time in them.
+// SiLU(gate) * up, and rotary embedding in place (alone, or with the step's cache write after it). In
+// torch each is a chain of ops (RMSNorm alone is a float copy, pow, mean, add, rsqrt, mul, a copy back
+// and the weight's mul), every one a pass over the activations; a bf16 SmolLM2 decode step spent
+// 12-15 % of its time in them.
 //
 // Rounding follows the torch ops they replace (HF's modeling code): the residual sum is rounded to
 // the activation dtype before it is normalised, the normalised row is rounded before the weight's
@@ -165,7 +166,8 @@ void silu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t width) {
 #if defined(__AVX512BF16__)
 // One bf16 head of rotary in AVX-512, its arithmetic and roundings the scalar loop's (c, s: the token's
 // table rows, already rounded to bf16). With the tables rounded once a token rather than once a head, a
-// 2,048-token prefill chunk's 12 heads took 0.81-0.86 -> 0.56-0.69 ms (same outputs; the setup as add_rms_norm_row's).
+// 2,048-token prefill chunk's 12 heads took 0.81-0.86 -> 0.56-0.69 ms (same outputs; the setup as
+// add_rms_norm_row's).
 inline void rotary_head(c10::BFloat16* v, int64_t half, const float* c, const float* s) {
   for (int64_t d = 0; d < half; d += 16) {
     const __mmask16 mask = tail_mask(half, d);

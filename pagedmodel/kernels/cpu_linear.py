@@ -191,7 +191,7 @@ class PackedLinear(nn.Module):
             return self._panel_op(x, self.panels, self.out_features, self.bias32, self.float_output)
         if rows <= plan.amx_max_rows:
             return self._amx_op(x, self.amx_tiles, self.out_features, self.bias32, self.float_output)
-        wide = self.packed32 is not None and rows >= self.plan.float32_min_rows
+        wide = self.packed32 is not None and rows >= plan.float32_min_rows
         padded = padded_rows(rows)
         if padded != rows:   # the extra rows' outputs are computed and dropped
             buf = x.new_empty(padded, x.shape[1], dtype=torch.float32 if wide else x.dtype)

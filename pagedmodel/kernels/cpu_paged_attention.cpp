@@ -1,7 +1,7 @@
 // Paged attention for short query rows on CPU, reading K/V in place from the paged cache.
 //
-// Row r of `query` ([R, q_heads, dim]; rows may be strided) attends to the first row_len[r] context tokens of the
-// sequence whose block table is block_tables[row_seq[r]]. A decode row has row_len = seq_len; row
+// Row r of `query` ([R, q_heads, dim]; rows may be strided) attends to the first row_len[r] context
+// tokens of the sequence whose block table is block_tables[row_seq[r]]. A decode row has row_len = seq_len; row
 // j of a chunk of q_len rows over a context of seq_len has row_len = seq_len - q_len + j + 1
 // (causal). A work item is a row with all its kv heads (or, when rows are too few to keep the threads
 // busy, a row and one kv head): it walks the row's own blocks once for keys and once for values, for
@@ -317,10 +317,10 @@ constexpr int64_t CHUNK = 16;   // tokens per q.k reduction tree, and per prefet
 
 // DC > 0: the AVX-512 block steps for head dim 16 * DC; 0: the generic ones.
 template <int DC, typename T>
-void rows_attention(const T* query, int64_t query_stride, const T* cache, const int32_t* tables, const int64_t* row_seq,
-                    const int32_t* row_len, T* out, int64_t rows, int64_t q_heads, int64_t kv_heads,
-                    int64_t dim, int64_t block_size, int64_t table_width, int64_t plane, int64_t max_len,
-                    float scale) {
+void rows_attention(const T* query, int64_t query_stride, const T* cache, const int32_t* tables,
+                    const int64_t* row_seq, const int32_t* row_len, T* out, int64_t rows, int64_t q_heads,
+                    int64_t kv_heads, int64_t dim, int64_t block_size, int64_t table_width, int64_t plane,
+                    int64_t max_len, float scale) {
   const int64_t group = q_heads / kv_heads;
   const int64_t token_stride = kv_heads * dim;  // one slot holds every kv head's row
   const int64_t threads = at::get_num_threads();

@@ -41,7 +41,8 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                     ops: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``; with the CPU layer ``ops``, in one pass, overwriting both inputs."""
         weight = self.weight
         if ops is not None and x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() \
@@ -95,11 +96,12 @@ class RotaryEmbedding(nn.Module):
         self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
         return self
 
-    def fused(self, ops) -> bool:
+    def fused(self, ops: object | None) -> bool:
         """Whether the CPU layer ``ops`` rotate here: they read float32 tables."""
         return ops is not None and self.cos.dtype == torch.float32 and self.cos.is_contiguous()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                ops: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos, self.sin
         if self.fused(ops):
             ops.rotary_embedding(q, cos, sin, positions)   # in place, in one pass each
@@ -131,7 +133,7 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend, ops=None) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend, ops: object | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         if meta is not None and backend.name == "torch" and kv_cache.dtype == qkv.dtype and self.rotary.fused(ops):
             # the torch backend's cache on CPU: rotary and the cache write in one call, queries read in place
@@ -162,7 +164,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: object | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
             return self.down_proj(ops.silu_and_mul(gate_up))
