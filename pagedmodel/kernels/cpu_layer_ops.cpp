@@ -102,10 +102,7 @@ inline void silu_and_mul_row(const c10::BFloat16* gate, const c10::BFloat16* up,
     const __m512 e = pagedmodel_cpu::exp_nonpositive16(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
     const __m512 q = _mm512_div_ps(g, _mm512_add_ps(one, e));
     const __m512 silu = _mm512_mask_mul_ps(q, _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ), q, e);
-    const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(silu));
-    const __m512 s = pagedmodel_cpu::widen_bf16x16(rounded);
-    const __m256i product = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(s, load_bf16(up + j, mask))));
-    _mm256_mask_storeu_epi16(o + j, mask, product);
+    _mm256_mask_storeu_epi16(o + j, mask, pack_bf16(_mm512_mul_ps(round_bf16(silu), load_bf16(up + j, mask))));
   }
 }
 #endif

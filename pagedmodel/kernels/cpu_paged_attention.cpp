@@ -136,11 +136,8 @@ struct Trickle {
 // product's own multiply-adds at dim 64); here the 16 tokens' partial-sum vectors of a query head are
 // reduced together by one transpose-and-add tree (45 instructions for 16 sums, not ~130).
 
-// 16 values of one cache row as float32
+// 16 values of one float32 or float16 cache row as float32 (bf16 rows: load_row below)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  return pagedmodel_cpu::widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // One cache row's DC vectors as float32. A bf16 row is read 32 values (64 bytes) at a time, each run

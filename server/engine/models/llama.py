@@ -140,18 +140,16 @@ class Attention(nn.Module):
             ops.rotary_and_write_kv(qkv, self.rotary.cos, self.rotary.sin, positions, kv_cache, meta.slot_mapping,
                                     self.num_heads)
             q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, :self.num_heads]
-            out = backend.paged_attention(q, kv_cache, meta, self.scale)
-            return self.o_proj(out.reshape(-1, self.q_size))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, ops)
-        if meta is None:   # the compiled forward: one opaque op reads the step (compiled_forward.py)
-            out = forward_attention(q, k, v, self.layer_idx, self.scale)
         else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(positions, q, k, ops)
+            if meta is None:   # the compiled forward: one opaque op reads the step (compiled_forward.py)
+                return self.o_proj(forward_attention(q, k, v, self.layer_idx, self.scale).reshape(-1, self.q_size))
             backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-            out = backend.paged_attention(q, kv_cache, meta, self.scale)
+        out = backend.paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
