@@ -24,6 +24,10 @@ class AttentionBackend:
     write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     paged_attention: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
     copy_blocks: Callable[[list[torch.Tensor], torch.Tensor], None]
+    # On a CPU cache, writes go through the CPU ops extension's ``write_kv`` (cpu_cache_write.cpp) and
+    # attention through its ops: the model may then rotate and write in one call (``rotary_and_write_kv``),
+    # and the worker builds the extension before the first request.
+    cache_write_is_cpu_op: bool = False
 
 
 TORCH_BACKEND = AttentionBackend(
@@ -31,6 +35,7 @@ TORCH_BACKEND = AttentionBackend(
     write_kv=torch_attention.write_kv,
     paged_attention=torch_attention.paged_attention,
     copy_blocks=torch_attention.copy_blocks,
+    cache_write_is_cpu_op=True,
 )
 
 

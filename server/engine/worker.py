@@ -20,7 +20,7 @@ class Worker:
         self.device = pick_device(args.device)
         self.dtype = pick_dtype(args.dtype, mc.hf_config, self.device)
         self.backend = select_backend(self.device)
-        if self.device.type == "cpu" and self.backend.name == "torch":
+        if self.device.type == "cpu" and self.backend.cache_write_is_cpu_op:
             cpu_paged_attention.load()   # build (or load) the CPU attention op now, not in the first request
         torch.manual_seed(args.seed)
         self.model = LlamaForCausalLM(mc.hf_config, max_positions=mc.max_model_len)

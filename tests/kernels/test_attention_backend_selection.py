@@ -12,9 +12,11 @@ from pagedmodel.kernels import backend, triton_attention
 def test_cpu_defaults_to_torch_and_override_picks_triton(monkeypatch):
     monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
     assert backend.select_backend("cpu").name == "torch"
+    assert backend.select_backend("cpu").cache_write_is_cpu_op   # the model may fuse rotary with the write
     monkeypatch.setenv(backend.BACKEND_ENV, "triton")
     chosen = backend.select_backend("cpu")
     assert chosen.name == "triton"
+    assert not chosen.cache_write_is_cpu_op   # Triton writes its own cache: no CPU op stands in for it
     assert chosen.paged_attention is triton_attention.paged_attention
     assert chosen.write_kv is triton_attention.write_kv
     assert chosen.copy_blocks is triton_attention.copy_blocks

@@ -135,8 +135,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, ops: object | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if meta is not None and backend.name == "torch" and kv_cache.dtype == qkv.dtype and self.rotary.fused(ops):
-            # the torch backend's cache on CPU: rotary and the cache write in one call, queries read in place
+        if meta is not None and backend.cache_write_is_cpu_op and kv_cache.dtype == qkv.dtype and self.rotary.fused(ops):
+            # rotary and the backend's cache write in one CPU call, queries read in place
             ops.rotary_and_write_kv(qkv, self.rotary.cos, self.rotary.sin, positions, kv_cache, meta.slot_mapping,
                                     self.num_heads)
             q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, :self.num_heads]
