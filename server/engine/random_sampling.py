@@ -45,12 +45,17 @@ class Candidates:
     ids: torch.Tensor | None        # [len(rows), width] int64, or None
 
 
+OP_LOGITS_DTYPES = (torch.float32, torch.bfloat16)   # the logits dtypes the CPU op reads
+
+
 def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
          generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[R, vocab]`` (float32, not modified) under each row's params."""
-    op = cpu_paged_attention.sampling() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    """One token per row of ``logits`` ``[R, vocab]`` (not modified) under each row's params: float32, or
+    bfloat16 where the CPU op draws (it widens a row at a time)."""
+    op = cpu_paged_attention.sampling() if logits.device.type == "cpu" and logits.dtype in OP_LOGITS_DTYPES else None
     if op is not None:
         return op(logits, *row_params(params, logits.shape[-1]), uniforms(generators, logits.device)).tolist()
+    logits = logits.float()   # the torch path truncates in float32 (a no-op for float32 logits)
     tokens = [0] * len(params)
     for group in truncate(logits, params):
         probs, ids = group.probs, group.ids

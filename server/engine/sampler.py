@@ -80,14 +80,16 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reads_narrow_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
-    """Whether ``sample`` can read a bf16 head's logits as they are: every row plain greedy (no grammar,
-    penalty or top logprobs) and the CPU op there to widen each row in cache. It then needs only the
-    argmax, the log-sum-exp (in float32) and the chosen logits, which are exact in bf16; anything else
-    gets the float32 copy first."""
+    """Whether ``sample`` can read a bf16 head's logits as they are: no grammar, penalty or top logprobs
+    in any row, every row greedy or drawn by the CPU sampling op, and the CPU ops there to widen each row
+    in cache. It then needs only the argmax, the log-sum-exp (in float32), the op's draws and the chosen
+    logits, all exact from bf16; anything else gets the float32 copy first (3.9 ms of a 98 ms step at 256
+    rows on one core)."""
     if logits.device.type != "cpu" or logits.dtype != torch.bfloat16 or cpu_paged_attention.logits_stats() is None:
         return False
-    return all(row.params.greedy and row.matcher is None and row.params.logprobs is None and not needs_penalties(row)
-               for row in rows)
+    draws = cpu_paged_attention.sampling() is not None
+    return all(row.matcher is None and row.params.logprobs is None and not needs_penalties(row)
+               and (row.params.greedy or (draws and not row.params.use_beam_search)) for row in rows)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:

@@ -75,13 +75,20 @@ def _bf16_rows(kinds: list[str]) -> list[SamplingRow]:
             for i, k in enumerate(kinds)]
 
 
-@pytest.mark.parametrize("kinds", [["greedy"] * 6, ["greedy", "logprobs", "penalty", "random", "greedy"]])
-def test_bf16_logits_sample_like_their_float32_copy(kinds):
+@pytest.mark.parametrize("kinds", [["greedy"] * 6, ["greedy", "logprobs", "penalty", "random", "greedy"],
+                                   ["random"] * 5, ["greedy", "random", "random", "greedy"]])
+def test_bf16_logits_sample_like_their_float32_copy(kinds, monkeypatch):
     """A bf16 head's logits reach the sampler as they are (model_runner: compute_logits(float32=False)):
-    plain greedy rows are read in bf16, anything else is widened first; either way the tokens, logprobs
-    and top logprobs are exactly what the float32 copy gives."""
+    greedy rows and rows the CPU op draws are read in bf16, anything else is widened first; either way the
+    tokens, logprobs and top logprobs are exactly what the float32 copy gives."""
     logits = (torch.randn(len(kinds), 3000, generator=torch.Generator().manual_seed(1)) * 6).bfloat16()
+    widened = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda t: widened.append(t.shape) or real_float(t))
     narrow = sample(logits.clone(), _bf16_rows(kinds))
+    monkeypatch.undo()
+    # the whole block is copied to float32 only when some row needs it (a penalty, top logprobs)
+    assert (logits.shape in widened) == bool({"logprobs", "penalty"} & set(kinds)), widened
     wide = sample(logits.float(), _bf16_rows(kinds))
     assert [(r.token_id, r.logprob, r.top_logprobs) for r in narrow] == [(r.token_id, r.logprob, r.top_logprobs) for r in wide]
     assert all(math.isfinite(r.logprob) and r.logprob <= 0 for r in narrow)

@@ -62,6 +62,20 @@ def test_keeps_the_reference_tokens_and_draws_by_inverse_cdf(op, vocab: int, see
     assert min(widths) == 1 and max(widths) > vocab // 4     # some rows keep one token, some most of them
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_bf16_logits_draw_what_their_float32_copy_draws(op, seed: int):
+    """bf16 rows are widened one at a time inside the op: the same kept terms and tokens as the copy's."""
+    rng = random.Random(seed)
+    params = [random_params(rng) for _ in range(16)]
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([rng.choice([0.01, 1.0, 4.0, 12.0]) for _ in params])[:, None]
+    logits = (torch.randn(len(params), 49152, generator=gen) * scale).bfloat16()
+    u = torch.rand(len(params), generator=gen)
+    kept_narrow, kept_wide = torch.zeros(logits.shape), torch.zeros(logits.shape)
+    assert run(op, logits, params, u, kept_narrow) == run(op, logits.float(), params, u, kept_wide)
+    assert torch.equal(kept_narrow, kept_wide)
+
+
 def test_nucleus_ties_are_kept_in_token_order(op):
     logits = torch.zeros(2, 64)
     logits[0, [3, 9, 20, 40]] = 5.0       # four equal tokens of 0.227 each: the mass before the 3rd is 0.454
@@ -109,7 +123,7 @@ def test_bad_inputs_are_refused(op):
     good = random_sampling.row_params([SamplingParams()] * 3, 10)
     with pytest.raises(RuntimeError, match="one value per row"):
         op(logits, good[0][:2], *good[1:], torch.zeros(3))
-    with pytest.raises(RuntimeError, match="float32 CPU"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 CPU"):
         op(logits.double(), *good, torch.zeros(3))
     with pytest.raises(RuntimeError, match="temperature must be positive"):
         op(logits, torch.zeros(3), *good[1:], torch.zeros(3))
