@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from kernel_batches import make_batch  # noqa: E402
 
-from pagedmodel.kernels import cpu_paged_attention, reference_attention, torch_attention  # noqa: E402
+from pagedmodel.kernels import cpu_ops, reference_attention, torch_attention  # noqa: E402
 
 
 def time_ms(fn, reps: int) -> float:
@@ -58,15 +58,15 @@ def time_ms(fn, reps: int) -> float:
 def implementations() -> dict:
     def fast(mode):
         def run(b, scale):
-            os.environ[cpu_paged_attention.OP_ENV] = mode
+            os.environ[cpu_ops.OPS_ENV] = mode
             return torch_attention.paged_attention(b.query, b.kv_cache, b.meta, scale)
         return run
     impls = {"reference (padded, fp32)": lambda b, s: reference_attention.paged_attention(b.query, b.kv_cache, b.meta, s),
              "torch ops (length buckets)": fast("off")}
-    if cpu_paged_attention.load() is not None:
+    if cpu_ops.load() is not None:
         impls["C++ row op"] = fast("auto")
     else:
-        print(f"C++ row op unavailable: {cpu_paged_attention.load_error()}")
+        print(f"C++ row op unavailable: {cpu_ops.load_error()}")
     return impls
 
 
@@ -86,7 +86,7 @@ def prefill_ops(dtype: torch.dtype) -> dict:
     """The C++ prefill ops this CPU has, timed one by one (``prefill_attention`` takes the fastest)."""
     if dtype != torch.bfloat16:
         return {}
-    found = {"VDPBF16PS op": cpu_paged_attention.bf16_prefill(), "AMX op": cpu_paged_attention.amx_prefill()}
+    found = {"VDPBF16PS op": cpu_ops.bf16_prefill(), "AMX op": cpu_ops.amx_prefill()}
     return {name: op for name, op in found.items() if op is not None}
 
 
@@ -158,8 +158,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     shapes = dict(block_size=16, q_heads=9, kv_heads=3, head_dim=64, dtype=dtype)
     shapes["spare_blocks"] = max(3, int(args.cache_gib * (1 << 30) / kv_bytes(shapes, 16)))
-    if args.block_sizes and cpu_paged_attention.load() is None:
-        sys.exit(f"C++ row op unavailable: {cpu_paged_attention.load_error()}")
+    if args.block_sizes and cpu_ops.load() is None:
+        sys.exit(f"C++ row op unavailable: {cpu_ops.load_error()}")
     if args.prefill or args.block_sizes:
         results = prefill_cost(args, shapes) if args.prefill else block_size_cost(args, shapes)
         if args.json:

@@ -18,15 +18,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build the CPU ops extension (pagedmodel/kernels/cpu_*.cpp) once, before any test: the first engine to
-    start would build it otherwise (30-60 s on a fresh machine), inside some test's startup timeout.
-    A failed build is left to the tests that need the ops (they fail on it, with the compiler's error)."""
-    from pagedmodel.kernels import cpu_paged_attention
-
-    cpu_paged_attention.load()
-
-
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from pagedmodel.server.engine.model_store import resolve_model

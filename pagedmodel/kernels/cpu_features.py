@@ -6,25 +6,11 @@ and exact, so ``--dtype auto`` picks bf16 on CPU only where one of those flags i
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from .cpu_isa import cpu_flags
+
 NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
-
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The ``flags`` line of ``/proc/cpuinfo`` (or of ``cpuinfo``'s text), empty if there is none."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return frozenset()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
 
 
 def has_native_bf16(flags: frozenset[str] | None = None, capability: str | None = None) -> bool:

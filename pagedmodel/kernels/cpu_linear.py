@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_features, cpu_paged_attention, huge_pages
+from . import cpu_features, cpu_ops, huge_pages
 from .cpu_linear_plan import LinearPlan, choose_plans
 
 log = logging.getLogger("pagedmodel.kernels.cpu_linear")
@@ -76,7 +76,7 @@ def bf16_plans(weights: list[torch.Tensor]) -> dict[tuple[int, int], LinearPlan]
     """A ``LinearPlan`` for each shape of these weights: measured here for bf16 weights (``cpu_linear_plan.py``)
     unless the env says ``bf16`` or ``float32``; none for float32 weights (``PackedLinear`` needs none)."""
     weights = [w for w in weights if w.dtype == torch.bfloat16]
-    return choose_plans(weights, _choice(), cpu_paged_attention.bf16_linear() if bf16_panels() else None,
+    return choose_plans(weights, _choice(), cpu_ops.bf16_linear() if bf16_panels() else None,
                         amx_tiles_op())
 
 
@@ -89,18 +89,18 @@ class Packing(NamedTuple):
 
 
 def bf16_panels(flags: frozenset[str] | None = None) -> bool:
-    """Whether small bf16 steps can go through ``cpu_bf16_linear.cpp``: the CPU has the AVX-512 it is
-    vectorized for and the CPU ops extension loads."""
-    if not AVX512_FLAGS <= (cpu_features.cpu_flags() if flags is None else flags):
+    """Whether small bf16 steps can go through ``cpu_bf16_linear.cpp``: the loaded build of the CPU ops (or
+    ``flags``) has the AVX-512 it is vectorized for."""
+    if not AVX512_FLAGS <= (cpu_ops.level_flags() if flags is None else flags):
         return False
-    return cpu_paged_attention.bf16_linear() is not None
+    return cpu_ops.bf16_linear() is not None
 
 
 def amx_tiles_op(flags: frozenset[str] | None = None) -> Callable[..., torch.Tensor] | None:
-    """``cpu_amx_linear.cpp``'s op where the CPU has AMX-BF16 and the extension was built with it, else None."""
-    if not AMX_FLAGS <= (cpu_features.cpu_flags() if flags is None else flags):
+    """``cpu_amx_linear.cpp``'s op where the loaded build of the CPU ops (or ``flags``) has AMX-BF16, else None."""
+    if not AMX_FLAGS <= (cpu_ops.level_flags() if flags is None else flags):
         return None
-    return cpu_paged_attention.amx_linear()
+    return cpu_ops.amx_linear()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -160,7 +160,7 @@ class PackedLinear(nn.Module):
         self.bias = bias
         bf16 = self.weight.dtype == torch.bfloat16
         self.plan = plan if bf16 else LinearPlan()
-        self._panel_op = cpu_paged_attention.bf16_linear() if self.plan.panel_max_rows else None
+        self._panel_op = cpu_ops.bf16_linear() if self.plan.panel_max_rows else None
         if self.plan.panel_max_rows and self._panel_op is None:
             raise RuntimeError("a plan with the panel op, but the CPU ops extension is not loaded")
         self._amx_op = amx_tiles_op() if self.plan.amx_max_rows else None

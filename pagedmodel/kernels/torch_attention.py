@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_paged_attention
+from . import cpu_ops
 from .attention_metadata import AttentionMetadata
 from .reference_attention import gather_context
 
@@ -44,7 +44,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     in one C++ call (``cpu_cache_write.cpp``) where the rows are in the cache's dtype."""
     if kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and slot_mapping.dtype == torch.int64 \
             and slot_mapping.is_contiguous() and _heads_contiguous(key) and _heads_contiguous(value) \
-            and (op := cpu_paged_attention.cache_write()) is not None:
+            and (op := cpu_ops.cache_write()) is not None:
         op(key, value, kv_cache, slot_mapping)
         return
     _, num_blocks, block_size, heads, dim = kv_cache.shape
@@ -121,7 +121,7 @@ def rows_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     if query.shape[0] == 0:
         return query.clone()
     q = query.to(kv_cache.dtype)
-    op = cpu_paged_attention.load() if kv_cache.device.type == "cpu" else None
+    op = cpu_ops.paged_attention() if kv_cache.device.type == "cpu" else None
     if op is not None:
         out = op(q if _heads_contiguous(q) else q.contiguous(), kv_cache, block_tables.to(torch.int32).contiguous(),
                  plan.row_seq, plan.row_len, scale)
@@ -172,7 +172,7 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: 
     tiles, else on VDPBF16PS; a tile's scores kept in cache); otherwise `prefill_attention_tiled`, which
     rounds where the op does."""
     if query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and kv_cache.device.type == "cpu":
-        op = cpu_paged_attention.amx_prefill() or cpu_paged_attention.bf16_prefill()
+        op = cpu_ops.amx_prefill() or cpu_ops.bf16_prefill()
         if op is not None and query.shape[-1] % 64 == 0:
             return op(query.contiguous(), kv_cache, block_table.to(torch.int32).contiguous(), seq_len, scale)
     return prefill_attention_tiled(query, kv_cache, block_table, seq_len, scale)

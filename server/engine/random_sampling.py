@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from pagedmodel.kernels import cpu_paged_attention
+from pagedmodel.kernels import cpu_ops
 
 from .sampling_params import SamplingParams
 
@@ -52,7 +52,7 @@ def draw(logits: torch.Tensor, params: Sequence[SamplingParams],
          generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of ``logits`` ``[R, vocab]`` (not modified) under each row's params: float32, or
     bfloat16 where the CPU op draws (it widens a row at a time)."""
-    op = cpu_paged_attention.sampling() if logits.device.type == "cpu" and logits.dtype in OP_LOGITS_DTYPES else None
+    op = cpu_ops.sampling() if logits.device.type == "cpu" and logits.dtype in OP_LOGITS_DTYPES else None
     if op is not None:
         return op(logits, *row_params(params, logits.shape[-1]), uniforms(generators, logits.device)).tolist()
     logits = logits.float()   # the torch path truncates in float32 (a no-op for float32 logits)

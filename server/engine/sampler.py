@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pagedmodel.kernels import cpu_paged_attention
+from pagedmodel.kernels import cpu_ops
 
 from .beam_group import BeamDecision, BeamGroup
 from .penalties import apply_penalties, needs_penalties
@@ -70,7 +70,7 @@ def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's first argmax and log-sum-exp: the C++ op on CPU (two passes over a row, where
     log_softmax + argmax would write out and re-read the whole matrix), torch ops elsewhere."""
-    op = cpu_paged_attention.logits_stats() if logits.device.type == "cpu" else None
+    op = cpu_ops.logits_stats() if logits.device.type == "cpu" else None
     if op is not None:
         return op(logits)
     logits = logits.float()   # the sum in float32 whatever the head's dtype (a no-op for float32)
@@ -85,9 +85,9 @@ def _reads_narrow_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
     in cache. It then needs only the argmax, the log-sum-exp (in float32), the op's draws and the chosen
     logits, all exact from bf16; anything else gets the float32 copy first (3.9 ms of a 98 ms step at 256
     rows on one core)."""
-    if logits.device.type != "cpu" or logits.dtype != torch.bfloat16 or cpu_paged_attention.logits_stats() is None:
+    if logits.device.type != "cpu" or logits.dtype != torch.bfloat16 or cpu_ops.logits_stats() is None:
         return False
-    draws = cpu_paged_attention.sampling() is not None
+    draws = cpu_ops.sampling() is not None
     return all(row.matcher is None and row.params.logprobs is None and not needs_penalties(row)
                and (row.params.greedy or (draws and not row.params.use_beam_search)) for row in rows)
 

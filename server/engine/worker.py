@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedmodel.kernels import cpu_paged_attention
+from pagedmodel.kernels import cpu_ops
 from pagedmodel.kernels.backend import select_backend
 
 from .args import ConfigError, EngineArgs
@@ -21,7 +21,7 @@ class Worker:
         self.dtype = pick_dtype(args.dtype, mc.hf_config, self.device)
         self.backend = select_backend(self.device)
         if self.device.type == "cpu" and self.backend.cache_write_is_cpu_op:
-            cpu_paged_attention.load()   # build (or load) the CPU attention op now, not in the first request
+            cpu_ops.load()   # load the CPU ops (and log which build) now, not in the first request
         torch.manual_seed(args.seed)
         self.model = LlamaForCausalLM(mc.hf_config, max_positions=mc.max_model_len)
         load_weights(self.model, mc.model_dir, self.dtype, self.device)

@@ -25,11 +25,11 @@ import pytest  # noqa: E402
 
 @pytest.fixture(params=["auto", "off"])
 def op_mode(request, monkeypatch):
-    """Runs a test twice: with the CPU ops extension (built on first use; a failed build fails the
-    test rather than skipping it) and with PAGEDMODEL_CPU_ATTENTION_OP=off (the torch-ops fallbacks)."""
-    from pagedmodel.kernels import cpu_paged_attention
+    """Runs a test twice: with the CPU ops (the install's build for this CPU; a missing build fails the test
+    rather than skipping it) and with PAGEDMODEL_CPU_OPS=off (the torch-ops fallbacks)."""
+    from pagedmodel.kernels import cpu_ops
 
-    monkeypatch.setenv(cpu_paged_attention.OP_ENV, request.param)
-    if request.param == "auto" and cpu_paged_attention.load() is None:
-        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+    monkeypatch.setenv(cpu_ops.OPS_ENV, request.param)
+    if request.param == "auto" and cpu_ops.load() is None:
+        pytest.fail(f"the CPU ops are not loaded: {cpu_ops.load_error()}")
     return request.param

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedmodel.kernels import cpu_paged_attention, torch_attention
+from pagedmodel.kernels import cpu_ops, torch_attention
 
 SENTINEL = 7.0   # every cell starts here; a cell the write must not touch keeps it
 
@@ -52,8 +52,8 @@ def test_a_strided_slot_mapping_keeps_the_torch_path(op_mode):
 
 
 def test_the_op_refuses_a_slot_past_the_cache_before_writing():
-    op = cpu_paged_attention.cache_write()
-    assert op is not None, cpu_paged_attention.load_error()
+    op = cpu_ops.cache_write()
+    assert op is not None, cpu_ops.load_error()
     cache = torch.zeros(2, 2, 4, 1, 8)
     rows = torch.ones(3, 1, 8)
     with pytest.raises(RuntimeError, match="row 2: slot 8 outside the cache's 8 slots"):

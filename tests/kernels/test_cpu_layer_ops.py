@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedmodel.kernels import cpu_paged_attention
+from pagedmodel.kernels import cpu_ops
 from pagedmodel.server.engine.models.llama import RMSNorm, RotaryEmbedding, _rotate_half
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7)}
@@ -15,9 +15,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture
 def ops():
-    built = cpu_paged_attention.layer_ops()
+    built = cpu_ops.layer_ops()
     if built is None:
-        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+        pytest.fail(f"the CPU ops are not loaded: {cpu_ops.load_error()}")
     return built
 
 
@@ -95,7 +95,7 @@ def test_rotary_and_write_kv_is_rotary_then_the_cache_write(ops, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_engine_tokens_are_the_same_with_or_without_the_fused_ops(tiny_llama_dir, monkeypatch, dtype):
-    """Greedy tokens of the whole engine, fused ops on and off (PAGEDMODEL_CPU_ATTENTION_OP=off turns
+    """Greedy tokens of the whole engine, fused ops on and off (PAGEDMODEL_CPU_OPS=off turns
     the CPU ops extension off; the attention then runs on torch ops too, which is tested equal elsewhere)."""
     from pagedmodel import LLM, SamplingParams
 
@@ -103,7 +103,7 @@ def test_engine_tokens_are_the_same_with_or_without_the_fused_ops(tiny_llama_dir
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     runs = {}
     for mode in ("auto", "off"):
-        monkeypatch.setenv(cpu_paged_attention.OP_ENV, mode)
+        monkeypatch.setenv(cpu_ops.OPS_ENV, mode)
         llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32" if dtype == torch.float32 else "bfloat16",
                   max_model_len=256)
         runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedmodel.kernels import cpu_linear, cpu_linear_plan, cpu_paged_attention
+from pagedmodel.kernels import cpu_linear, cpu_linear_plan, cpu_ops
 from pagedmodel.kernels.cpu_linear import PackedLinear, pack_linears
 from pagedmodel.kernels.cpu_linear_plan import FIXED_FLOAT32_SPLIT, FLOAT32_GEMM_MIN_ROWS, LinearPlan
 
@@ -69,8 +69,8 @@ def test_bf16_packed_matches_f_linear_from_one_row(rows, monkeypatch):
 PLANS = {"split": FIXED_FLOAT32_SPLIT, "panel_1": LinearPlan(panel_max_rows=1),
          "bf16": LinearPlan(), "bf16_then_f32": LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS),
          "panel_1_amx_64": LinearPlan(panel_max_rows=1, amx_max_rows=64)}
-needs_amx = pytest.mark.skipif(not cpu_linear.AMX_FLAGS <= cpu_linear.cpu_features.cpu_flags(),
-                               reason="no AMX-BF16 on this CPU: the AMX op is not built")
+needs_amx = pytest.mark.skipif(not cpu_linear.AMX_FLAGS <= cpu_ops.level_flags(),
+                               reason="the loaded CPU ops build has no AMX-BF16 (no AMX on this CPU)")
 
 
 def _path_for(plan: LinearPlan, rows: int) -> str:
@@ -90,8 +90,8 @@ def test_bf16_layers_follow_their_plan(rows, float_output, plan_name, monkeypatc
     float32 (the bias too), returned as bf16 or, for the head, float32; oneDNN's bf16 GEMM returns bf16.
     A layer keeps only the copies its plan uses."""
     plan = PLANS[plan_name]
-    if plan.panel_max_rows and cpu_paged_attention.bf16_linear() is None:
-        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+    if plan.panel_max_rows and cpu_ops.bf16_linear() is None:
+        pytest.fail(f"the CPU ops are not loaded: {cpu_ops.load_error()}")
     if plan.amx_max_rows and cpu_linear.amx_tiles_op() is None:
         pytest.skip("no AMX-BF16 here: no plan would name the AMX op")
     onednn = []
@@ -132,9 +132,9 @@ def test_bf16_layers_follow_their_plan(rows, float_output, plan_name, monkeypatc
 def test_panel_op_is_the_float32_product_of_the_bf16_values(out_features, in_features, rows, bias):
     """``cpu_bf16_linear.cpp`` over ``pack_panels``: partial panels, odd K, row tiles and their
     remainders, bias; float32 out exact to float32, bf16 out rounded once."""
-    op = cpu_paged_attention.bf16_linear()
+    op = cpu_ops.bf16_linear()
     if op is None:
-        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+        pytest.fail(f"the CPU ops are not loaded: {cpu_ops.load_error()}")
     g = torch.Generator().manual_seed(rows * 1000 + in_features)
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g).bfloat16()
@@ -150,9 +150,9 @@ def test_panel_op_is_the_float32_product_of_the_bf16_values(out_features, in_fea
 
 
 def test_panel_op_rejects_mismatched_shapes():
-    op = cpu_paged_attention.bf16_linear()
+    op = cpu_ops.bf16_linear()
     if op is None:
-        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+        pytest.fail(f"the CPU ops are not loaded: {cpu_ops.load_error()}")
     panels = cpu_linear.pack_panels(torch.randn(64, 16).bfloat16())
     with pytest.raises(RuntimeError, match="x has 18 columns"):
         op(torch.randn(2, 18).bfloat16(), panels, 64, None, False)
@@ -164,7 +164,7 @@ def test_panel_op_rejects_mismatched_shapes():
 
 def test_panels_need_avx512_and_the_op():
     assert not cpu_linear.bf16_panels(frozenset({"avx2", "avx512_bf16"}))
-    assert cpu_linear.bf16_panels(frozenset(cpu_linear.AVX512_FLAGS)) == (cpu_paged_attention.bf16_linear() is not None)
+    assert cpu_linear.bf16_panels(frozenset(cpu_linear.AVX512_FLAGS)) == (cpu_ops.bf16_linear() is not None)
 
 
 def test_amx_tiles_hold_each_weight_where_the_tile_unit_reads_it():
@@ -181,7 +181,7 @@ def test_amx_tiles_hold_each_weight_where_the_tile_unit_reads_it():
 def _amx_op():
     op = cpu_linear.amx_tiles_op()
     if op is None:
-        pytest.fail(f"a CPU with AMX-BF16, but the AMX op did not build: {cpu_paged_attention.load_error()}")
+        pytest.fail(f"a CPU with AMX-BF16, but the AMX op is not loaded: {cpu_ops.load_error()}")
     return op
 
 
@@ -304,7 +304,7 @@ def test_plans_say_what_they_use():
 
 @bf16_packs
 def test_measuring_times_every_candidate_and_plans_each_shape(caplog):
-    op, amx = cpu_paged_attention.bf16_linear(), cpu_linear.amx_tiles_op()
+    op, amx = cpu_ops.bf16_linear(), cpu_linear.amx_tiles_op()
     timings = cpu_linear_plan.measure(96, 64, op, rows_list=(1, 4, 64), amx_op=amx)
     assert set(timings["bf16"]) == {1, 4, 64} and set(timings["float32"]) == {64}
     assert set(timings["amx"]) == ({1, 4, 64} if amx is not None else set())

@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedmodel.kernels import cpu_paged_attention, torch_attention
-from pagedmodel.kernels.cpu_features import cpu_flags
+from pagedmodel.kernels import cpu_ops, torch_attention
 
 TOL = dict(rtol=2 ** -7, atol=2 ** -7)   # bf16 output; scores and softmax float32 in both
 OPS = {   # accessor, the CPU flags its build needs
-    "vdpbf16ps": (cpu_paged_attention.bf16_prefill, {"avx512_bf16"}),
-    "amx": (cpu_paged_attention.amx_prefill, {"avx512_bf16", "amx_tile", "amx_bf16"}),
+    "vdpbf16ps": (cpu_ops.bf16_prefill, {"avx512_bf16"}),
+    "amx": (cpu_ops.amx_prefill, {"avx512_bf16", "amx_tile", "amx_bf16"}),
 }
 
 
@@ -24,9 +23,9 @@ def _found_or_skip(name: str):
     accessor, flags = OPS[name]
     found = accessor()
     if found is None:
-        if flags <= cpu_flags() and cpu_paged_attention.enabled():
-            pytest.fail(f"the CPU has {sorted(flags)} but the {name} op is missing: {cpu_paged_attention.load_error()}")
-        pytest.skip(f"needs a CPU with {sorted(flags)} and the CPU ops extension")
+        if flags <= cpu_ops.level_flags():
+            pytest.fail(f"the loaded CPU ops build has {sorted(flags)} but the {name} op is missing")
+        pytest.skip(f"needs a build of the CPU ops for {sorted(flags)} (loaded: {getattr(cpu_ops.level(), 'name', None)})")
     return found
 
 
@@ -78,7 +77,7 @@ def test_peaked_scores(op, sharpness):
 
 def test_prefill_attention_takes_the_fastest_op_for_bf16_only():
     """AMX where the CPU has it, else VDPBF16PS; float32 stays on the torch path."""
-    name = "amx" if OPS["amx"][1] <= cpu_flags() else "vdpbf16ps"
+    name = "amx" if OPS["amx"][1] <= cpu_ops.level_flags() else "vdpbf16ps"
     op = _found_or_skip(name)
     query, cache, table = _problem(40, 70, 16, 9, 3, 64, seed=1)
     assert torch.equal(torch_attention.prefill_attention(query, cache, table, 70, 0.125),
@@ -121,13 +120,13 @@ def test_refused_amx_tiles_leave_the_amx_ops_unused(monkeypatch, caplog):
     def refused(*_args):
         raise RuntimeError("amx_bf16_linear: the kernel refused AMX tile state (arch_prctl)")
 
-    assert not cpu_paged_attention.amx_tiles_permitted(refused)
+    assert not cpu_ops.amx_tiles_permitted(refused)
     assert "AMX tiles refused here" in caplog.text
-    monkeypatch.setitem(cpu_paged_attention._state, "amx_permitted", False)
-    assert cpu_paged_attention.amx_linear() is None and cpu_paged_attention.amx_prefill() is None
+    monkeypatch.setitem(cpu_ops._state, "amx_permitted", False)
+    assert cpu_ops.amx_linear() is None and cpu_ops.amx_prefill() is None
     query, cache, table = _problem(40, 70, 16, 9, 3, 64, seed=2)
     got = torch_attention.prefill_attention(query, cache, table, 70, 0.125)
-    vdp = cpu_paged_attention.bf16_prefill()
+    vdp = cpu_ops.bf16_prefill()
     expected = (vdp(query, cache, table, 70, 0.125) if vdp is not None
                 else torch_attention.prefill_attention_tiled(query, cache, table, 70, 0.125))
     assert torch.equal(got, expected)
@@ -135,4 +134,4 @@ def test_refused_amx_tiles_leave_the_amx_ops_unused(monkeypatch, caplog):
 
 def test_the_amx_probe_passes_where_the_op_runs():
     amx = _found_or_skip("amx")
-    assert amx is not None and cpu_paged_attention.amx_tiles_permitted(torch.ops.pagedmodel.amx_bf16_linear)
+    assert amx is not None and cpu_ops.amx_tiles_permitted(torch.ops.pagedmodel.amx_bf16_linear)

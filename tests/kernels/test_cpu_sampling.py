@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedmodel.kernels import cpu_paged_attention
+from pagedmodel.kernels import cpu_ops
 from pagedmodel.server.engine import random_sampling
 from pagedmodel.server.engine.sampling_params import SamplingParams
 from sampling_reference import random_params, reference_probs
@@ -22,9 +22,9 @@ from sampling_reference import random_params, reference_probs
 
 @pytest.fixture
 def op():
-    found = cpu_paged_attention.sampling()
+    found = cpu_ops.sampling()
     if found is None:
-        pytest.fail(f"the CPU ops did not build: {cpu_paged_attention.load_error()}")
+        pytest.fail(f"the CPU ops are not loaded: {cpu_ops.load_error()}")
     return found
 
 
@@ -110,7 +110,7 @@ def test_the_torch_path_draws_the_same_tokens_from_the_same_generators(op, monke
         return random_sampling.draw(logits, params, generators)
 
     with_op = tokens()
-    monkeypatch.setenv(cpu_paged_attention.OP_ENV, "off")
+    monkeypatch.setenv(cpu_ops.OPS_ENV, "off")
     with_torch = tokens()
     differ = [i for i, (a, b) in enumerate(zip(with_op, with_torch)) if a != b]
     # float32 sums in another order may move a uniform number that falls within ~1e-7 of a boundary

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedmodel.kernels import cpu_linear, cpu_paged_attention, huge_pages
+from pagedmodel.kernels import cpu_linear, cpu_ops, huge_pages
 from pagedmodel.kernels.cpu_linear_plan import LinearPlan
 
 
@@ -71,8 +71,8 @@ def test_gather_copies_tensors_side_by_side_in_one_region():
 def test_packed_layers_move_onto_huge_pages_and_compute_the_same():
     """The panels and AMX tiles a decode step streams move into huge-page regions; every path of the
     plan gives the same bits as before the move."""
-    if cpu_paged_attention.bf16_linear() is None or not cpu_linear.applies(torch.zeros(2, 2, dtype=torch.bfloat16)):
-        pytest.fail(f"the CPU ops did not build or bf16 packing does not apply: {cpu_paged_attention.load_error()}")
+    if cpu_ops.bf16_linear() is None or not cpu_linear.applies(torch.zeros(2, 2, dtype=torch.bfloat16)):
+        pytest.fail(f"the CPU ops are not loaded or bf16 packing does not apply: {cpu_ops.load_error()}")
     amx = cpu_linear.amx_tiles_op() is not None
     plan = LinearPlan(panel_max_rows=1, amx_max_rows=64 if amx else 0)
     g = torch.Generator().manual_seed(0)

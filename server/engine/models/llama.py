@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedmodel.kernels import cpu_linear, cpu_paged_attention
+from pagedmodel.kernels import cpu_linear, cpu_ops
 from pagedmodel.kernels.attention_metadata import AttentionMetadata
 from pagedmodel.kernels.backend import AttentionBackend
 from pagedmodel.kernels.forward_attention import forward_attention
@@ -26,7 +26,7 @@ def cpu_layer_ops(x: torch.Tensor):
         return None
     if torch.compiler.is_compiling():   # a compiled forward: inductor fuses the torch path itself
         return None
-    return cpu_paged_attention.layer_ops()
+    return cpu_ops.layer_ops()
 
 
 class RMSNorm(nn.Module):

@@ -44,7 +44,7 @@ constexpr int64_t kPanel = 32;     // output columns per panel
 constexpr int64_t kPanelPair = 64; // int16 per k pair in a panel
 constexpr int kRowTile = 8;        // rows multiplied together: 16 accumulators of 16 floats
 
-struct Problem {
+struct PanelProblem {
   const float* x;          // [rows, ldx] float32, ldx = 2 * kpairs (zero-padded)
   int64_t ldx;
   const uint16_t* w;       // [panels, kpairs, 64]
@@ -67,7 +67,7 @@ inline __m256i to_bf16x16(__m512 v) {
   return _mm512_cvtepi32_epi16(u);
 }
 
-inline void store16(const Problem& p, int64_t row, int64_t col, __m512 v, __mmask16 mask) {
+inline void store16(const PanelProblem& p, int64_t row, int64_t col, __m512 v, __mmask16 mask) {
   if (mask == 0) return;
   if (p.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, p.bias + col));
   if (p.float_output) {
@@ -85,7 +85,7 @@ inline __mmask16 cols_mask(int64_t cols) {
 // (16 independent accumulators at MR = 8); the prefetch runs 8 KB ahead of the weight stream, which
 // took a decode step's weight reads from ~10 to ~13 GB/s here.
 template <int MR>
-void panel_tile(const Problem& p, int64_t row0, int64_t panel) {
+void panel_tile(const PanelProblem& p, int64_t row0, int64_t panel) {
   const uint16_t* w = p.w + panel * p.kpairs * kPanelPair;
   const float* x = p.x + row0 * p.ldx;
   __m512 acc[MR][2];
@@ -118,7 +118,7 @@ void panel_tile(const Problem& p, int64_t row0, int64_t panel) {
   }
 }
 
-void tile(const Problem& p, int64_t row0, int rows, int64_t panel) {
+void tile(const PanelProblem& p, int64_t row0, int rows, int64_t panel) {
   switch (rows) {
     case 1: return panel_tile<1>(p, row0, panel);
     case 2: return panel_tile<2>(p, row0, panel);
@@ -133,7 +133,7 @@ void tile(const Problem& p, int64_t row0, int rows, int64_t panel) {
 
 #else  // plain loops over the same layout
 
-void tile(const Problem& p, int64_t row0, int rows, int64_t panel) {
+void tile(const PanelProblem& p, int64_t row0, int rows, int64_t panel) {
   const uint16_t* w = p.w + panel * p.kpairs * kPanelPair;
   const int64_t col = panel * kPanel, cols = std::min<int64_t>(kPanel, p.n - col);
   for (int m = 0; m < rows; ++m) {
@@ -182,7 +182,7 @@ at::Tensor bf16_weight_linear(const at::Tensor& x_in, const at::Tensor& panels, 
     TORCH_CHECK(bias_f.numel() == out_features, "bf16_weight_linear: bias has ", bias_f.numel(), " values");
   }
   at::Tensor y = at::empty({rows, out_features}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
-  const Problem p{x.data_ptr<float>(), 2 * kpairs, reinterpret_cast<const uint16_t*>(panels.data_ptr()), kpairs,
+  const PanelProblem p{x.data_ptr<float>(), 2 * kpairs, reinterpret_cast<const uint16_t*>(panels.data_ptr()), kpairs,
                   out_features, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr(), float_output};
   // Panels are taken a group at a time so that every row tile passes over the group while its
   // weights sit in L2; groups are small enough that each thread gets several.
