@@ -1,35 +1,49 @@
 # One image for `pagedmodel serve`, `pagedmodel router` and `pagedmodel operator`.
 #
-# CUDA: PyPI's Linux torch wheels bundle the CUDA runtime (nvidia-* wheels), so a plain Python base is
-# CUDA-capable; the host's NVIDIA container toolkit injects the driver. Triton JIT-compiles a small
-# launcher at run time and the CPU attention op (pagedmodel/kernels/cpu_paged_attention.cpp) is built on first use,
-# hence gcc, g++ and ninja in the final stage.
+# The CPU ops (the C++ in kernels/) are compiled in the build stage, once per x86-64 level (AVX2, AVX-512,
+# AVX-512 BF16, AMX), into the wheel: the engine loads the level the node's CPU runs, so one image serves
+# any x86-64 node, and nothing is compiled when a pod starts (the operator's pods run read-only as uid 1000).
 #
-# Not built in CI: our machines have no container engine (and the build downloads torch + the default
-# model from PyPI). Build with:  docker build -t ghcr.io/pagedmodel/pagedmodel:0.1.0 .
-ARG PYTHON_VERSION=3.11
+# CUDA: PyPI's Linux torch wheels bundle the CUDA runtime (nvidia-* wheels), so a plain Python base is
+# CUDA-capable; the host's NVIDIA container toolkit injects the driver. Triton JIT-compiles a small C
+# launcher at run time (into TRITON_CACHE_DIR, under /tmp), hence gcc, but no C++ toolchain, in the final stage.
+#
+# Build with:  docker build -t ghcr.io/pagedmodel/pagedmodel:0.1.0 .   (BuildKit, Docker's default since 23,
+# for RUN --mount; buildah bud works the same)
+# BASE_IMAGE: any Debian-based image with Python >= 3.10 and pip (the e2e tier builds one from Debian's
+# packages where the public base can't be pulled).
+ARG BASE_IMAGE=python:3.11-slim
 
-FROM python:${PYTHON_VERSION}-slim AS build
+FROM ${BASE_IMAGE} AS build
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
+COPY kernels ./kernels
 COPY pagedmodel ./pagedmodel
 COPY server ./server
 COPY operator ./operator
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# Our wheel alone (its build environment brings the pinned torch and ninja); the dependencies come from
+# PyPI in the final stage, so no layer holds a second copy of them.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM python:${PYTHON_VERSION}-slim
+FROM ${BASE_IMAGE}
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc g++ ninja-build libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 1000 --user-group --create-home --home-dir /home/pagedmodel pagedmodel
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+# The wheel comes in through a bind mount from the build stage: no layer keeps it.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir /wheels/pagedmodel-*.whl
 
 # The default model lives in the image, so `builtin://smollm2` needs no network and no writable disk.
-# Scratch (Triton/inductor caches) goes to /tmp, an emptyDir in the operator's pods (read-only root).
+# Scratch (Triton/inductor caches, anything under XDG's cache) goes to /tmp, an emptyDir in the operator's
+# pods (read-only root); the operator sets the same variables on the pods it makes.
 ENV PAGEDMODEL_CACHE_DIR=/opt/pagedmodel/cache \
     TRITON_CACHE_DIR=/tmp/triton \
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor \
+    XDG_CACHE_HOME=/tmp/cache \
     HF_HOME=/tmp/huggingface \
     PYTHONUNBUFFERED=1
 RUN pagedmodel models pull smollm2 && chmod -R a+rX /opt/pagedmodel

@@ -94,7 +94,8 @@ def describe(reqs: list[Req]) -> str:
 OURS_VARIANTS = {   # engine choice -> (--torch-compile, PAGEDMODEL_CPU_LINEAR)
     "ours": (False, None),
     "ours_compiled": (True, None),                # its compile, at start-up, is not timed
-    "ours_float32_split": (False, "float32"),     # the bf16 linears' fixed split instead of the measured plan
+    "ours_float32_split": (False, "float32"),     # the bf16 linears' fixed split instead of the family's plan
+    "ours_measured": (False, "measure"),          # the bf16 linears' plans timed at load
 }
 
 

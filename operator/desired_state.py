@@ -23,6 +23,10 @@ from .spec import default_block_size, parse_source, with_defaults
 
 MODEL_MOUNT = "/models"
 HF_CACHE_MOUNT = "/var/cache/huggingface"
+# The root filesystem is read-only and the home under it too: whatever a library caches (Triton's launchers,
+# inductor's kernels, anything under XDG's cache) goes to the pod's /tmp emptyDir instead of failing.
+SCRATCH_ENV = {"TMPDIR": "/tmp", "XDG_CACHE_HOME": "/tmp/cache", "TRITON_CACHE_DIR": "/tmp/triton",
+               "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
 # Probe cadence: /health is cheap; readiness reacts within ~15 s, liveness tolerates a minute of stalls.
 STARTUP_PERIOD_S = 5
 READINESS = {"periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3, "successThreshold": 1}
@@ -199,7 +203,8 @@ def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observ
     http = {"path": "/health", "port": "http"}
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
-    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           *({"name": name, "value": value} for name, value in SCRATCH_ENV.items())]
     if source.scheme == "hf" or lora_enabled(spec):
         # The root filesystem is read-only: hub downloads (the model's, or hf:// adapters') go to a writable
         # scratch volume. Every LoRA engine gets it, so the first hf:// adapter added rolls nothing.

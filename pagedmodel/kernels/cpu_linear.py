@@ -12,9 +12,9 @@ prepacked oneDNN matmul handle per layer).
   layout is what AMX's tiles read, 1.3-1.8x faster than ``F.linear`` at 1-64 rows on every weight
   (a Sapphire-Rapids-class Xeon, one thread; the 49,152-wide head 16.4 -> 12.4 ms at one row, 21.6 ->
   12.5 ms at 64), so every step uses it.
-- bfloat16 has three GEMMs, and which is fastest depends on the CPU more than on its flags, so
-  ``cpu_linear_plan.py`` measures them at load on each of the model's weight shapes and makes a
-  ``LinearPlan``: oneDNN's bf16 GEMM over its packed copy; a float32 packed copy of the weight
+- bfloat16 has four GEMMs, and which is fastest depends on the CPU more than on its flags, so
+  ``cpu_linear_plan.py`` keeps a ``LinearPlan`` for each CPU family (or measures them here when
+  asked): oneDNN's bf16 GEMM over its packed copy; a float32 packed copy of the weight
   (steps of at least ``FLOAT32_GEMM_MIN_ROWS`` rows cast their input to float32, multiply there and
   cast back; the head keeps float32 logits), which paid 1.3-1.4x at 64 rows on an Emerald Rapids
   guest without AMX and costs 2x on an AMD EPYC with the same flags; and our op
@@ -31,9 +31,10 @@ steps of an eighth of the power of two below; at most 12.5 % extra rows past 64)
 shapes to about 70 per weight.
 
 The reorder needs a CPU tensor and torch built with mkldnn; anything else keeps the plain layers.
-``PAGEDMODEL_CPU_LINEAR=packed|bf16|float32|off`` (default ``packed`` where it applies: bf16 GEMMs as
-measured): ``bf16`` packs with oneDNN's bf16 GEMM alone (no float32 copies, no panels), ``float32``
-takes the fixed split tuned on the Emerald Rapids guest without measuring, ``off`` keeps the plain layers.
+``PAGEDMODEL_CPU_LINEAR=packed|measure|bf16|float32|off`` (default ``packed`` where it applies: bf16 GEMMs
+as the CPU family's plan says): ``measure`` times the candidates at load, ``bf16`` packs with oneDNN's bf16
+GEMM alone (no float32 copies, no panels), ``float32`` takes the fixed split tuned on the Emerald Rapids
+guest, ``off`` keeps the plain layers.
 """
 from __future__ import annotations
 
@@ -45,13 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_features, cpu_ops, huge_pages
-from .cpu_linear_plan import LinearPlan, choose_plans
+from . import cpu_features, cpu_isa, cpu_ops, huge_pages
+from .cpu_linear_plan import LinearPlan, choose_plans, default_plan
 
 log = logging.getLogger("pagedmodel.kernels.cpu_linear")
 
 LINEAR_ENV = "PAGEDMODEL_CPU_LINEAR"
-LINEAR_ENV_VALUES = ("packed", "bf16", "float32", "off")
+LINEAR_ENV_VALUES = ("packed", "measure", "bf16", "float32", "off")
 # below this many rows F.linear's unpacked GEMM is as fast or faster (measured at M = 1)
 MIN_ROWS = {torch.float32: 8, torch.bfloat16: 1}
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})   # what cpu_bf16_linear.cpp vectorizes with
@@ -73,11 +74,12 @@ def enabled(env: str | None = None) -> bool:
 
 
 def bf16_plans(weights: list[torch.Tensor]) -> dict[tuple[int, int], LinearPlan]:
-    """A ``LinearPlan`` for each shape of these weights: measured here for bf16 weights (``cpu_linear_plan.py``)
-    unless the env says ``bf16`` or ``float32``; none for float32 weights (``PackedLinear`` needs none)."""
+    """A ``LinearPlan`` for each shape of these weights: for bf16 weights the CPU family's plan, or as the env
+    says (``cpu_linear_plan.py``); none for float32 weights (``PackedLinear`` needs none)."""
     weights = [w for w in weights if w.dtype == torch.bfloat16]
-    return choose_plans(weights, _choice(), cpu_ops.bf16_linear() if bf16_panels() else None,
-                        amx_tiles_op())
+    level = cpu_ops.level()
+    return choose_plans(weights, _choice(), cpu_ops.bf16_linear() if bf16_panels() else None, amx_tiles_op(),
+                        default=default_plan(cpu_isa.cpu_vendor(), None if level is None else level.name))
 
 
 class Packing(NamedTuple):

@@ -1,21 +1,24 @@
-"""Which GEMM a bf16 linear layer uses for a step of a given number of rows, chosen by measuring this CPU.
+"""Which GEMM a bf16 linear layer uses for a step of a given number of rows: a plan for each CPU family,
+or one measured on this CPU when asked.
 
-Why measure: the fastest of the three bf16 paths differs by CPU far more than any flag tells. On an
-Emerald Rapids guest (AVX512-BF16, no AMX) oneDNN's bf16 GEMM ran at 75 GFLOP/s against 110-147 for
-its float32 GEMM over a float32 copy of the weight, and our panel op (``cpu_bf16_linear.cpp``) beat
-oneDNN's bf16 GEMM at 8 and 16 rows. On an AMD EPYC with the same flags oneDNN's bf16 GEMM is twice
-as fast as the float32 copy at 64 rows and beats the panel op from 4 rows on; only at one or two rows
-does the panel op win (1.1-1.8x). A rule tuned on one machine cost the other up to 2x on every linear.
+The fastest of the bf16 paths differs by CPU far more than any flag tells. On an Emerald Rapids guest
+(AVX512-BF16, no AMX) oneDNN's bf16 GEMM ran at 75 GFLOP/s against 110-147 for its float32 GEMM over a
+float32 copy of the weight, and our panel op (``cpu_bf16_linear.cpp``) beat oneDNN's bf16 GEMM at 8 and 16
+rows. On an AMD EPYC with the same flags oneDNN's bf16 GEMM is twice as fast as the float32 copy at 64 rows
+and beats the panel op from 4 rows on; only at one or two rows does the panel op win (1.1-1.8x, the
+49,152-wide head most). On AMX Xeons our AMX op wins at 1-64 rows on every shape. A rule tuned on one
+machine cost another up to 2x on every linear.
 
-So ``choose_plans`` times the three candidates on each of the model's weight shapes at a few row
-counts (3-4 s at load for SmolLM2's five shapes on the AMX Xeon, most of it the 49,152-wide head) and
-``plan_from`` turns the timings into a ``LinearPlan``; the timings and the plans are logged. Shapes
-differ: SmolLM2's head, bound by reading its 57 MB of weights at one row, runs 1.8x faster through the
-panel op there, where the 3072x576 gate/up barely notices.
+``default_plan`` is that table: the plan for the CPU's vendor and the loaded build's level, with no
+measuring at load. Measuring at every start took 5-6 s of a 15 s start, and on a busy machine its
+timings were noisy enough that the plans changed from start to start. ``PAGEDMODEL_CPU_LINEAR=measure``
+times the candidates on each of the model's weight shapes at a few row counts instead (``choose_plans``,
+``plan_from``), and logs the timings and the plans: the way to find the plan for a CPU family the table
+does not know.
 
-``PAGEDMODEL_CPU_LINEAR`` overrides: ``bf16`` (oneDNN's bf16 GEMM alone), ``float32`` (the fixed split
-tuned on the Emerald Rapids guest: the panel op below ``FLOAT32_GEMM_MIN_ROWS`` rows, float32 copies
-from there).
+``PAGEDMODEL_CPU_LINEAR`` also takes ``bf16`` (oneDNN's bf16 GEMM alone) and ``float32`` (the fixed split
+tuned on the Emerald Rapids guest: the panel op below ``FLOAT32_GEMM_MIN_ROWS`` rows, float32 copies from
+there).
 """
 from __future__ import annotations
 
@@ -158,10 +161,30 @@ def measure(out_features: int, in_features: int, panel_op: Callable | None,
     return timings
 
 
+def default_plan(vendor: str, level: str | None) -> LinearPlan:
+    """The plan for a CPU of this vendor (``/proc/cpuinfo``'s vendor_id) running this level of the CPU ops
+    (``cpu_isa``), from ``PAGEDMODEL_CPU_LINEAR=measure`` runs on each family (docs/engine.md has the figures)."""
+    if level == "amx":                  # AMX Xeons: the AMX op for 1-64 rows on every shape, the head included
+        return LinearPlan(amx_max_rows=MEASURED_ROWS[-1])
+    if level == "avx512_bf16" and vendor == "GenuineIntel":    # an Emerald Rapids guest that hides AMX
+        return FIXED_FLOAT32_SPLIT
+    if level in ("avx512_bf16", "avx512"):   # AMD EPYC (Zen 4): the panel op at 1-2 rows, oneDNN above
+        return LinearPlan(panel_max_rows=2)
+    return LinearPlan()
+
+
+def available(plan: LinearPlan, panel_op: Callable | None, amx_op: Callable | None, float32_fits: bool) -> LinearPlan:
+    """``plan`` without what this process lacks: the panel op, the AMX op, room for float32 copies."""
+    return LinearPlan(panel_max_rows=plan.panel_max_rows if panel_op is not None else 0,
+                      float32_min_rows=plan.float32_min_rows if float32_fits else None,
+                      amx_max_rows=plan.amx_max_rows if amx_op is not None else 0)
+
+
 def choose_plans(weights: list[torch.Tensor], choice: str, panel_op: Callable | None,
-                 amx_op: Callable | None = None) -> dict[tuple[int, int], LinearPlan]:
-    """A plan for each shape of these bf16 weights under ``PAGEDMODEL_CPU_LINEAR=choice`` (``packed``: each
-    shape measured here, once: a decoder layer's projections and the wide head differ)."""
+                 amx_op: Callable | None = None, default: LinearPlan = LinearPlan()) -> dict[tuple[int, int], LinearPlan]:
+    """A plan for each shape of these bf16 weights under ``PAGEDMODEL_CPU_LINEAR=choice``: ``packed``, the CPU
+    family's ``default`` for every shape; ``measure``, each shape measured here, once (a decoder layer's
+    projections and the wide head differ)."""
     shapes = sorted({tuple(w.shape) for w in weights})
     fits = sum(w.numel() for w in weights) * 4 <= FLOAT32_COPY_BUDGET
     if amx_op is not None and sum(w.numel() for w in weights) * 2 > AMX_COPY_BUDGET:
@@ -169,6 +192,11 @@ def choose_plans(weights: list[torch.Tensor], choice: str, panel_op: Callable | 
         amx_op = None
     if choice == "bf16" or not weights:
         return {shape: LinearPlan() for shape in shapes}
+    if choice == "packed":
+        plan = available(default, panel_op, amx_op, fits)
+        log.info("bf16 linears: %s (this CPU family's plan; PAGEDMODEL_CPU_LINEAR=measure times them here)",
+                 plan.describe())
+        return {shape: plan for shape in shapes}
     if choice == "float32":
         if not fits:
             log.warning("float32 copies of the linears would pass %d GiB: oneDNN's bf16 GEMM alone",

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("starting: loading torch and the engine")   # the first lines of a start take seconds to come
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 <pid>` dumps every thread's stack
     from .allocator import tune_malloc

@@ -48,6 +48,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         # the block size is fixed here, for everything after (cache, scheduler, metrics), from the device
         args = self.args = replace(args, block_size=pick_block_size(args.block_size, pick_device(args.device)))
+        log.info("preparing the model (%s) and its tokenizer", args.model or "the default, SmolLM2-135M-Instruct")
         mc = self.model_config = ModelConfig.from_args(args)
         self.model_name, self.tokenizer, self.max_model_len = mc.served_name, mc.tokenizer, mc.max_model_len
         self.vocab_size, self.eos_token_ids = mc.vocab_size, mc.eos_token_ids

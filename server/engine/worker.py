@@ -1,6 +1,8 @@
 """The model on its device: attention backend chosen, weights loaded, the KV cache sized and allocated."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pagedmodel.kernels import cpu_ops
@@ -14,6 +16,8 @@ from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_weights
 
+log = logging.getLogger("pagedmodel.engine")
+
 
 class Worker:
     def __init__(self, args: EngineArgs, mc: ModelConfig, max_num_batched_tokens: int):
@@ -23,10 +27,14 @@ class Worker:
         if self.device.type == "cpu" and self.backend.cache_write_is_cpu_op:
             cpu_ops.load()   # load the CPU ops (and log which build) now, not in the first request
         torch.manual_seed(args.seed)
+        log.info("loading the weights from %s (%s on %s)", mc.model_dir, self.dtype, self.device)
         self.model = LlamaForCausalLM(mc.hf_config, max_positions=mc.max_model_len)
         load_weights(self.model, mc.model_dir, self.dtype, self.device)
         self.model.eval()
+        if self.device.type == "cpu":
+            log.info("packing the linear layers")
         self.model.use_packed_linears()   # CPU fp32, or bf16 with native bf16; a no-op elsewhere
+        log.info("sizing and allocating the KV cache")
 
         per_block = bytes_per_block(mc.num_layers, args.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
         self.num_blocks = num_kv_blocks(args, mc, self.model, self.backend, self.device, self.dtype, per_block,

@@ -313,7 +313,7 @@ def test_measuring_times_every_candidate_and_plans_each_shape(caplog):
     assert all(t > 0 for by_rows in timings.values() for t in by_rows.values())
     weights = [torch.zeros(96, 64, dtype=torch.bfloat16)] * 2 + [torch.zeros(500, 64, dtype=torch.bfloat16)]
     with caplog.at_level("INFO", logger="pagedmodel.kernels.cpu_linear"):
-        plans = cpu_linear_plan.choose_plans(weights, "packed", op)
+        plans = cpu_linear_plan.choose_plans(weights, "measure", op)
     assert set(plans) == {(96, 64), (500, 64)}   # each shape once
     for (n, k), plan in plans.items():
         assert f"bf16 {n}x{k} linears" in caplog.text and plan.describe() in caplog.text
@@ -331,10 +331,28 @@ def test_the_env_skips_the_measurement_and_the_budget_bounds_float32_copies(monk
     wins = _timings({1: 1.0, 64: 2.0}, {64: 1.0}, {})
     monkeypatch.setattr(cpu_linear_plan, "measure",   # as measure does: no float32 timing unless asked
                         lambda *a, float32=True, **k: wins if float32 else {**wins, "float32": {}})
-    assert choose(small, "packed", None) == {(8, 8): LinearPlan()}   # float32 wins, but over budget
+    assert choose(small, "measure", None) == {(8, 8): LinearPlan()}   # float32 wins, but over budget
     monkeypatch.setattr(cpu_linear_plan, "FLOAT32_COPY_BUDGET", 8 * 8 * 4)
-    assert choose(small, "packed", None) == {(8, 8): LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS)}
+    assert choose(small, "measure", None) == {(8, 8): LinearPlan(float32_min_rows=FLOAT32_GEMM_MIN_ROWS)}
     assert cpu_linear.bf16_plans([torch.zeros(8, 8)]) == {}   # float32 weights need none
+
+
+@pytest.mark.parametrize("vendor, level, plan", [
+    ("GenuineIntel", "amx", LinearPlan(amx_max_rows=64)),
+    ("GenuineIntel", "avx512_bf16", FIXED_FLOAT32_SPLIT),
+    ("AuthenticAMD", "avx512_bf16", LinearPlan(panel_max_rows=2)),
+    ("AuthenticAMD", "avx2", LinearPlan()), ("AuthenticAMD", None, LinearPlan())])
+def test_each_cpu_family_gets_its_plan_without_measuring(vendor, level, plan, monkeypatch):
+    """The default: the same plan at every start, busy machine or not, and no seconds spent timing GEMMs."""
+    monkeypatch.setattr(cpu_linear_plan, "measure", lambda *a, **k: pytest.fail("measured"))
+    weights = [torch.zeros(8, 8, dtype=torch.bfloat16), torch.zeros(16, 8, dtype=torch.bfloat16)]
+    default = cpu_linear_plan.default_plan(vendor, level)
+    assert default == plan
+    panel, amx = object(), object()
+    assert cpu_linear_plan.choose_plans(weights, "packed", panel, amx, default) == {(8, 8): plan, (16, 8): plan}
+    lacking = cpu_linear_plan.choose_plans(weights, "packed", None, None, default)[8, 8]   # neither op loaded
+    assert lacking.panel_max_rows == lacking.amx_max_rows == 0
+    assert lacking.float32_min_rows == plan.float32_min_rows
 
 
 def test_the_amx_op_is_measured_only_within_its_copies_budget(monkeypatch):
@@ -342,9 +360,9 @@ def test_the_amx_op_is_measured_only_within_its_copies_budget(monkeypatch):
     monkeypatch.setattr(cpu_linear_plan, "measure", lambda *a, amx_op=None, **k: seen.append(amx_op) or
                         _timings({1: 1.0, 64: 2.0}, {}, {}))
     small, amx = [torch.zeros(8, 8, dtype=torch.bfloat16)], object()
-    cpu_linear_plan.choose_plans(small, "packed", None, amx)
+    cpu_linear_plan.choose_plans(small, "measure", None, amx)
     monkeypatch.setattr(cpu_linear_plan, "AMX_COPY_BUDGET", 8 * 8 * 2 - 1)
-    cpu_linear_plan.choose_plans(small, "packed", None, amx)
+    cpu_linear_plan.choose_plans(small, "measure", None, amx)
     assert seen == [amx, None]
 
 

@@ -76,6 +76,17 @@ def test_cpu_engine_flags_are_exactly_the_spec():
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "1", "memory": "2Gi"}}
 
 
+def test_every_scratch_path_of_the_engine_is_on_its_tmp_volume():
+    """The root filesystem is read-only: each cache a library may write points under the /tmp emptyDir."""
+    pod = make_pm(CPU_SPEC)
+    c = container(pod)
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    tmp = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tmp")
+    scratch = {e["name"]: e["value"] for e in c["env"] if e["name"] in
+               ("TMPDIR", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
+    assert len(scratch) == 4 and all(value.startswith(tmp) for value in scratch.values()), scratch
+
+
 @pytest.mark.parametrize("engine_spec, gpus, block", [
     ({"device": "cpu"}, 0, "128"),           # unset: the engine's CPU default, not the GPU one
     ({}, 0, "128"),                          # device auto without GPUs is a CPU engine
