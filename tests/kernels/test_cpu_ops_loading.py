@@ -117,3 +117,13 @@ def test_each_level_this_cpu_runs_matches_the_torch_reference(level):
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and " failed" not in run.stdout, tail
+
+
+def test_the_top_level_kernels_folder_shadows_no_package():
+    """kernels/ holds C++ only, with no __init__.py: from the repo root (on sys.path for `python3 -m pytest`),
+    `import kernels` still finds Hugging Face's package, which transformers imports, where a top-level
+    package of that name once shadowed it."""
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    found = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"], cwd=REPO,
+                           capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0 and not found.stdout.strip().startswith(str(REPO)), found.stdout + found.stderr
