@@ -55,8 +55,11 @@ def one_error_line(r: subprocess.CompletedProcess[str], code: int = 2) -> str:
     assert r.returncode == code, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pagedmodel serve: error: "), lines
-    return lines[0]
+    # the error is one line, and the last: a pod's termination message is the log's tail; what comes before
+    # it is the start's progress (INFO lines), never a second error or a warning
+    assert lines and lines[-1].startswith("pagedmodel serve: error: "), lines
+    assert all(" INFO " in line for line in lines[:-1]), lines
+    return lines[-1]
 
 
 def test_an_unreadable_model_directory_says_so(tmp_path: Path) -> None:
