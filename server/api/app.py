@@ -32,8 +32,7 @@ from .openapi import install_openapi, request_body
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import OpenAIServing, ServerConfig
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from .vllm_endpoints import (RequestIdHeaderMiddleware, ServerLoad, ServerLoadMiddleware, invocation_kind,
-                             json_response, serve_tokenizer_info)
+from .vllm_endpoints import install_vllm_endpoints
 
 logger = logging.getLogger("pagedmodel.server.api")
 
@@ -101,11 +100,6 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, exempt=config.auth_exempt)
     if config.log_requests:
         app.add_middleware(RequestLogMiddleware)
-    load = ServerLoad()
-    if config.enable_server_load_tracking:
-        app.add_middleware(ServerLoadMiddleware, load=load)
-    if config.enable_request_id_headers:   # outermost: also the 401s and 503s of the middlewares inside
-        app.add_middleware(RequestIdHeaderMiddleware)
 
     def check_key(request: Request) -> None:
         if config.api_key is None:
@@ -132,21 +126,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     # The prefix-cache change stream a router subscribes to (kv_events.py); keyed like the model routes.
     app.get("/v1/kv_events")(keyed(stream_kv_events))
 
-    async def invocations(serving: OpenAIServing, request: Request) -> Response:
-        """SageMaker's one inference route: the body's shape picks chat or completions, as in vLLM."""
-        data = await serving.read_json(request)
-        if invocation_kind(data) == "chat":
-            return await create_chat_completion(serving, request, serving.validate_body(data, ChatCompletionRequest))
-        return await create_completion(serving, request, serving.validate_body(data, CompletionRequest))
-    app.post("/invocations")(keyed(invocations))
-    if config.enable_tokenizer_info_endpoint:
-        app.get("/tokenizer_info")(keyed(serve_tokenizer_info))
-
-    @app.get("/load")
-    async def server_load(request: Request) -> Response:
-        # vLLM serves /load always; the count stays 0 unless --enable-server-load-tracking
-        check_key(request)
-        return json_response({"server_load": load.in_progress})
+    # vLLM's /invocations, /load, /tokenizer_info; its X-Request-Id middleware is added last, so outermost
+    install_vllm_endpoints(app, config, keyed)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -7,13 +7,18 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .api_key import route_path
+from .chat import create_chat_completion
+from .completions import create_completion
 from .errors import APIError
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .serving import OpenAIServing, ServerConfig
 
 ASGIApp = Callable[..., Awaitable[None]]
+Handler = Callable[[OpenAIServing, Request], Awaitable[Response]]
 REQUEST_ID_HEADER = b"x-request-id"
 # The routes whose requests occupy the engine; /load counts these (vLLM counts its model endpoints).
 LOAD_TRACKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
@@ -120,5 +125,32 @@ def json_response(payload: dict[str, Any]) -> Response:
     return Response(json.dumps(payload), media_type="application/json")
 
 
-async def serve_tokenizer_info(serving: Any, _: Request) -> Response:
+async def serve_tokenizer_info(serving: OpenAIServing, _: Request) -> Response:
     return json_response(tokenizer_info(serving.engine.tokenizer))
+
+
+async def invocations(serving: OpenAIServing, request: Request) -> Response:
+    """SageMaker's one inference route: the body's shape picks chat or completions, as in vLLM."""
+    data = await serving.read_json(request)
+    if invocation_kind(data) == "chat":
+        return await create_chat_completion(serving, request, serving.validate_body(data, ChatCompletionRequest))
+    return await create_completion(serving, request, serving.validate_body(data, CompletionRequest))
+
+
+def install_vllm_endpoints(app: FastAPI, config: ServerConfig,
+                           keyed: Callable[[Handler], Callable[..., Awaitable[Response]]]) -> None:
+    """/invocations, /load and (by its flag) /tokenizer_info, each behind the API key like the model routes
+    (``keyed``); and the middlewares of --enable-server-load-tracking and --enable-request-id-headers."""
+    load = ServerLoad()
+    app.post("/invocations")(keyed(invocations))
+    if config.enable_tokenizer_info_endpoint:
+        app.get("/tokenizer_info")(keyed(serve_tokenizer_info))
+
+    async def server_load(_: OpenAIServing, __: Request) -> Response:
+        # vLLM serves /load always; the count stays 0 unless --enable-server-load-tracking
+        return json_response({"server_load": load.in_progress})
+    app.get("/load")(keyed(server_load))
+    if config.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=load)
+    if config.enable_request_id_headers:   # added last, so outermost: the 401s and 503s inside carry it too
+        app.add_middleware(RequestIdHeaderMiddleware)
