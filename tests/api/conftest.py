@@ -104,7 +104,7 @@ VLLM_MODEL = "vllm-flags"
 VLLM_COMMAND_LINE = (
     "--root-path", "/proxy", "--enable-request-id-headers", "--show-hidden-metrics-for-version", "0.10",
     "--enable-prompt-tokens-details", "--structured-outputs-config.backend", "guidance", "--runner", "generate",
-    "--max-cpu-loras", "2", "--load-format", "auto", "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+    "--max-cpu-loras", "2", "--load-format", "auto", "--no-enable-chunked-prefill", "--enable-prefix-caching",
     "--disable-frontend-multiprocessing", "--return-tokens-as-token-ids", "--max-logprobs", "151936",
     "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
 )

@@ -67,6 +67,11 @@ def test_prompt_tokens_details_and_tokens_as_ids_by_flag(vllm_server: ServerProc
     with openai.OpenAI(base_url=vllm_server.base_url + "/v1", api_key=VLLM_KEY, max_retries=0) as client:
         r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, logprobs=1)
         assert r.usage.prompt_tokens_details is not None and r.usage.prompt_tokens_details.cached_tokens == 0
+        # a prompt of more than one 128-token block, twice: the second finds its first block cached
+        long_prompt = [100 + i for i in range(150)]
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
+        again = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens == 128
         assert all(t.startswith("token_id:") for t in r.choices[0].logprobs.tokens)
         # the request's own choice wins over the flag
         r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, logprobs=1,
