@@ -17,6 +17,13 @@ DEFAULT_AUTH_EXEMPT = ("/health", "/ping", "/metrics", "/version")
 MISSING_KEY = "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
 
 
+def route_path(scope: dict[str, Any]) -> str:
+    """The path the app routes on: uvicorn puts --root-path in front of every request's path (the ASGI
+    spec's way), and a prefix a proxy adds must not change which paths are exempt."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
 def key_matches(authorization: str | None, api_key: str) -> bool:
     """True when the Authorization header carries `Bearer <api_key>` (compared in constant time)."""
     scheme, _, token = (authorization or "").partition(" ")
@@ -51,7 +58,7 @@ class APIKeyMiddleware:
         self.exempt = frozenset(exempt)
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http" or scope["path"] in self.exempt:
+        if scope["type"] != "http" or route_path(scope) in self.exempt:
             await self.app(scope, receive, send)
             return
         auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)

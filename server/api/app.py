@@ -3,7 +3,9 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with SSE streaming), GET /v1/models,
 POST /tokenize, POST /detokenize, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter (lora_adapters.py),
 GET /version, GET /health, GET|POST /ping (= /health), GET /metrics;
-GET /debug/kv_blocks with --enable-debug-endpoints (debug.py).
+GET /debug/kv_blocks with --enable-debug-endpoints (debug.py);
+vLLM's POST /invocations, GET /load and GET /tokenizer_info (with --enable-tokenizer-info-endpoint):
+vllm_endpoints.py.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .openapi import install_openapi, request_body
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .serving import OpenAIServing, ServerConfig
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from .vllm_endpoints import install_vllm_endpoints
 
 logger = logging.getLogger("pagedmodel.server.api")
 
@@ -122,6 +125,9 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     install_openapi(app, [body for _, _, body in routes])
     # The prefix-cache change stream a router subscribes to (kv_events.py); keyed like the model routes.
     app.get("/v1/kv_events")(keyed(stream_kv_events))
+
+    # vLLM's /invocations, /load, /tokenizer_info; its X-Request-Id middleware is added last, so outermost
+    install_vllm_endpoints(app, config, keyed)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -14,24 +14,26 @@ from .async_engine import RequestGroup
 from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
-                       ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
-                       UsageInfo, random_id)
+                       ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage, random_id)
 from .serving import OpenAIServing
 from .structured_outputs import ensure_compiled
-from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk
+from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk, usage_options
 from .tool_calling import ToolPlan, delta_message, finish_reason, plan_tools, response_tool_calls
 
 
-async def create_chat_completion(serving: OpenAIServing, request: Request) -> Response:
-    req = await serving.parse_body(request, ChatCompletionRequest)
+async def create_chat_completion(serving: OpenAIServing, request: Request,
+                                 req: ChatCompletionRequest | None = None) -> Response:
+    """``req``: the body already parsed (/invocations reads it to pick the endpoint)."""
+    req = req or await serving.parse_body(request, ChatCompletionRequest)
     lora = serving.check_model(req.model)
     cfg = serving.config
     plan = plan_tools(req.tools, req.tool_choice, cfg.tool_call_parser, cfg.enable_auto_tool_choice,
                       req.parallel_tool_calls)
     try:
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(serving.tokenizer_size, cfg.limits.max_logprobs)
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
+    serving.check_logit_bias(params)
     params = plan.constrain(params)
     await ensure_compiled(serving, params)   # a schema that cannot compile: 400 before the engine sees it
     ids, _ = await serving.render_chat(req.messages, tools=plan.tools,
@@ -43,54 +45,81 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
     request.state.log_info = f"id={request_id}"
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(stream_chat(serving, request, req, group, request_id, created, len(ids), params,
-                                             plan),
+        return StreamingResponse(stream_chat(serving, request, req, group, request_id, created, ids, params, plan),
                                  media_type="text/event-stream", headers=stream_headers(request_id))
 
     final = await serving.collect(group, request)
-    choices = [_choice(serving, req, o, plan) for o in sorted(final[0].outputs, key=lambda o: o.index)]
+    choices = [_choice(serving, req, o, plan, params) for o in sorted(final[0].outputs, key=lambda o: o.index)]
     completion_tokens = sum(len(o.token_ids) for o in final[0].outputs)
-    usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                      total_tokens=len(ids) + completion_tokens)
+    usage = serving.usage(len(ids), completion_tokens, final[0].num_cached_tokens)
     serving.set_log_info(request, request_id, len(ids), completion_tokens,
                          ",".join(sorted({c.finish_reason or "-" for c in choices})))
     resp = ChatCompletionResponse(id=request_id, created=created, model=req.model or serving.model_name, choices=choices,
-                                  usage=usage)
+                                  usage=usage, prompt_token_ids=list(ids) if req.return_token_ids else None)
     return Response(resp.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
 
 
+def echoed_content(req: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text when it has the answer's role (the answer's role is the
+    assistant's, or with add_generation_prompt false the last message's own), so the answer continues it."""
+    if not req.echo or not req.messages:
+        return ""
+    answer_role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+    last = req.messages[-1]
+    return last.text() if last.role == answer_role else ""
+
+
 def _choice(serving: OpenAIServing, req: ChatCompletionRequest, o: CompletionOutput,
-            plan: ToolPlan) -> ChatCompletionChoice:
-    lp = chat_logprobs(serving, o.token_ids, o.logprobs, req.top_logprobs or 0) if req.logprobs else None
+            plan: ToolPlan, params: SamplingParams) -> ChatCompletionChoice:
+    as_ids = serving.tokens_as_ids(req.return_tokens_as_token_ids)
+    lp = chat_logprobs(serving, o.token_ids, o.logprobs, params.logprobs or 0, as_ids) if req.logprobs else None
     extracted = plan.extract(o.text)
-    message = ChatResponseMessage(content=extracted.content, tool_calls=response_tool_calls(extracted))
+    content = extracted.content
+    if plan.choice.mode == "named" and content is None:
+        content = ""   # vLLM's: a named call's message has empty content, not null
+    echo = echoed_content(req)
+    if echo:
+        content = echo + (content or "")
+    message = ChatResponseMessage(content=content, tool_calls=response_tool_calls(extracted))
     return ChatCompletionChoice(index=o.index, message=message, logprobs=lp,
                                 finish_reason=finish_reason(o.finish_reason, bool(extracted.calls)),
-                                stop_reason=o.stop_reason)
+                                stop_reason=o.stop_reason, token_ids=list(o.token_ids) if req.return_token_ids else None)
 
 
 def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionRequest, group: RequestGroup,
-                request_id: str, created: int, prompt_tokens: int, params: SamplingParams,
+                request_id: str, created: int, prompt_ids: list[int], params: SamplingParams,
                 plan: ToolPlan) -> AsyncIterator[str]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous_usage = usage_options(req.stream_options)
     model = req.model or serving.model_name
-    top_n = req.top_logprobs or 0
+    top_n = params.logprobs or 0
+    as_ids = serving.tokens_as_ids(req.return_tokens_as_token_ids)
+    prompt_tokens = len(prompt_ids)
 
     async def body() -> AsyncIterator[str]:
-        def chunk(choice: ChatCompletionStreamChoice) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]))
+        first = [True]
+
+        def chunk(choice: ChatCompletionStreamChoice, completion_tokens: int = 0) -> str:
+            usage = serving.usage(prompt_tokens, completion_tokens) if continuous_usage else None
+            # return_token_ids: the prompt's ids ride on the stream's first chunk only
+            prompt_token_ids = list(prompt_ids) if req.return_token_ids and first[0] else None
+            first[0] = False
+            return sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice],
+                                                    usage=usage, prompt_token_ids=prompt_token_ids))
 
         # OpenAI opens every choice with a role-only delta before any content.
         for j in range(params.n):
             yield chunk(ChatCompletionStreamChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
+        echo = echoed_content(req)
+        for j in range(params.n if echo else 0):
+            yield chunk(ChatCompletionStreamChoice(index=j, delta=DeltaMessage(content=echo)))
         tracker = DeltaTracker(params.n)
         streamers = [plan.streamer() for _ in range(params.n)]
-        completion_tokens = 0
+        completion_tokens, cached_tokens = 0, 0
         finishes: set[str] = set()
         async for _, out in group.outputs():
             for o in out.outputs:
                 text, new_ids, new_lp, _ = tracker.advance(o.index, o)
-                lp = chat_logprobs(serving, new_ids, new_lp, top_n) if req.logprobs and new_ids else None
+                lp = chat_logprobs(serving, new_ids, new_lp, top_n, as_ids) if req.logprobs and new_ids else None
                 streamer = streamers[o.index]
                 finished = tracker.newly_finished(o.index, o)
                 if streamer is None:
@@ -98,19 +127,23 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
                 else:   # on the last output, also what the parser still held back
                     news = streamer.feed(text)
                     delta = delta_message(news.extend(streamer.finish()) if finished else news)
-                if delta.content or delta.tool_calls or lp is not None:
-                    yield chunk(ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=lp))
+                token_ids = list(new_ids) if req.return_token_ids and new_ids else None
+                if delta.content or delta.tool_calls or lp is not None or token_ids:
+                    yield chunk(ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=lp,
+                                                           token_ids=token_ids), len(o.token_ids))
                 if not finished:
                     continue
                 completion_tokens += len(o.token_ids)
                 reason = finish_reason(o.finish_reason, streamer is not None and streamer.called)
                 finishes.add(reason or "-")
                 yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(),
-                                                       finish_reason=reason, stop_reason=o.stop_reason))
+                                                       finish_reason=reason, stop_reason=o.stop_reason),
+                            len(o.token_ids))
+            if out.finished:
+                cached_tokens = out.num_cached_tokens
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))
         if include_usage:
-            yield usage_chunk(ChatCompletionStreamResponse, request_id, created, model, prompt_tokens,
-                              completion_tokens)
+            yield usage_chunk(ChatCompletionStreamResponse, request_id, created, model,
+                              serving.usage(prompt_tokens, completion_tokens, cached_tokens))
 
     return guarded_stream(serving, group, body())
-

@@ -35,9 +35,11 @@ class HTTPLimits:
     max_logprobs: int = MAX_LOGPROBS
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_string_len: int = MAX_STOP_STRING_LEN
+    # The router's ceiling; `serve` raises it to the model's vocabulary, as vLLM does (serve.py)
+    max_logprobs_ceiling: int = MAX_LOGPROBS
 
     def __post_init__(self) -> None:
-        for name, ceiling in (("max_n", MAX_N), ("max_best_of", MAX_N), ("max_logprobs", MAX_LOGPROBS),
+        for name, ceiling in (("max_n", MAX_N), ("max_best_of", MAX_N), ("max_logprobs", self.max_logprobs_ceiling),
                               ("max_stop_strings", MAX_STOP_STRINGS), ("max_stop_string_len", MAX_STOP_STRING_LEN)):
             value = getattr(self, name)
             if not 0 <= value <= ceiling or (name in ("max_n", "max_best_of") and value < 1):
@@ -170,19 +172,37 @@ def add_limit_arguments(parser: argparse.ArgumentParser, *, engine: bool) -> Non
                         "longest token-id prompt (text prompts are counted by the engine)")
     g.add_argument("--max-n", type=positive_int, default=d.max_n, help=f"largest n (ceiling {MAX_N})")
     g.add_argument("--max-best-of", type=positive_int, default=d.max_best_of, help=f"largest best_of (ceiling {MAX_N})")
-    g.add_argument("--max-logprobs", type=non_negative_int, default=d.max_logprobs,
-                   help=f"largest logprobs / top_logprobs / prompt_logprobs (ceiling {MAX_LOGPROBS})")
+    if engine:   # vLLM's flag: up to the vocabulary, -1 meaning all of it (serve.py caps it at the model's)
+        g.add_argument("--max-logprobs", type=logprobs_limit, default=d.max_logprobs,
+                       help="largest logprobs / top_logprobs / prompt_logprobs (-1 or more than the "
+                            "vocabulary: the vocabulary size)")
+    else:
+        g.add_argument("--max-logprobs", type=non_negative_int, default=d.max_logprobs,
+                       help=f"largest logprobs / top_logprobs / prompt_logprobs (ceiling {MAX_LOGPROBS})")
     g.add_argument("--max-stop-strings", type=non_negative_int, default=d.max_stop_strings,
                    help=f"most stop strings (and stop_token_ids) per request (ceiling {MAX_STOP_STRINGS})")
     g.add_argument("--max-stop-string-len", type=positive_int, default=d.max_stop_string_len,
                    help=f"longest stop string in characters (ceiling {MAX_STOP_STRING_LEN})")
 
 
-def limits_from_args(args: argparse.Namespace) -> HTTPLimits:
-    """The parsed flags as HTTPLimits; raises ValueError (the CLI's exit 2) for a value above a ceiling."""
-    return HTTPLimits(max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
+def logprobs_limit(text: str) -> int:
+    """`serve --max-logprobs`: a count, or -1 for the whole vocabulary (vLLM's meaning)."""
+    value = int(text)
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be >= 0, or -1 for the vocabulary, got {value}")
+    return value
+
+
+def limits_from_args(args: argparse.Namespace, max_logprobs_ceiling: int = MAX_LOGPROBS,
+                     max_logprobs: int | None = None) -> HTTPLimits:
+    """The parsed flags as HTTPLimits; raises ValueError (the CLI's exit 2) for a value above a ceiling.
+
+    ``max_logprobs`` overrides the flag once `serve` knows the vocabulary it resolves to."""
+    return HTTPLimits(max_logprobs_ceiling=max_logprobs_ceiling,
+                      max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
                       request_read_timeout=args.request_read_timeout, keep_alive_timeout=args.keep_alive_timeout,
                       max_connections=args.max_connections, stream_idle_timeout=args.stream_idle_timeout,
                       max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n, max_best_of=args.max_best_of,
-                      max_logprobs=args.max_logprobs, max_stop_strings=args.max_stop_strings,
+                      max_logprobs=args.max_logprobs if max_logprobs is None else max_logprobs,
+                      max_stop_strings=args.max_stop_strings,
                       max_stop_string_len=args.max_stop_string_len)

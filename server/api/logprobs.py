@@ -13,27 +13,41 @@ def finite(x: float) -> float:
     return float(x) if math.isfinite(x) else -9999.0
 
 
+def token_label(serving: OpenAIServing, token_id: int, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's "token_id:N" (return_tokens_as_token_ids), which
+    stays exact for a token that is part of a multi-byte character and so not valid UTF-8 on its own."""
+    return f"token_id:{token_id}" if as_ids else serving.token_str(token_id)
+
+
+def sampled_and_top(entry: dict[int, float], token: int, top_n: int) -> dict[int, float]:
+    """A completions top_logprobs entry as vLLM builds it: the sampled token, then the top_n most likely
+    (the sampled one once); so logprobs=0 gives the sampled token alone, not an empty dict."""
+    out = {token: entry[token]} if token in entry else {}
+    for t, v in sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]:
+        out.setdefault(t, v)
+    return out
+
+
 def completion_logprobs(serving: OpenAIServing, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                         top_n: int, text_offset0: int) -> CompletionLogprobs:
+                         top_n: int, text_offset0: int, as_ids: bool = False) -> CompletionLogprobs:
     out = CompletionLogprobs()
     offset = text_offset0
     for tok, lp in zip(token_ids, logprobs or [{} for _ in token_ids]):
         s = serving.token_str(tok)
-        out.tokens.append(s)
+        out.tokens.append(token_label(serving, tok, as_ids))
         out.text_offset.append(offset)
         offset += len(s)
         out.token_logprobs.append(finite(lp[tok]) if tok in lp else None)
-        top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n] if top_n > 0 else []
-        out.top_logprobs.append({serving.token_str(t): finite(v) for t, v in top})
+        out.top_logprobs.append({token_label(serving, t, as_ids): finite(v) for t, v in sampled_and_top(lp, tok, top_n).items()})
     return out
 
 
 def prepend_prompt_logprobs(serving: OpenAIServing, prompt_ids: list[int],
                              prompt_logprobs: list[dict[int, float] | None] | None, top_n: int,
-                             completion: CompletionLogprobs) -> CompletionLogprobs:
+                             completion: CompletionLogprobs, as_ids: bool = False) -> CompletionLogprobs:
     """The echoed prompt's tokens with their logprobs (the first token has none), then the completion's."""
     entries = [e or {} for e in (prompt_logprobs or [None] * len(prompt_ids))]
-    out = completion_logprobs(serving, prompt_ids, entries, top_n, 0)
+    out = completion_logprobs(serving, prompt_ids, entries, top_n, 0, as_ids)
     out.top_logprobs[0] = None
     out.tokens += completion.tokens
     out.text_offset += completion.text_offset
@@ -43,13 +57,14 @@ def prepend_prompt_logprobs(serving: OpenAIServing, prompt_ids: list[int],
 
 
 def chat_logprobs(serving: OpenAIServing, token_ids: list[int], logprobs: list[dict[int, float]] | None,
-                   top_n: int) -> ChatChoiceLogprobs:
+                   top_n: int, as_ids: bool = False) -> ChatChoiceLogprobs:
     content = []
     for tok, lp in zip(token_ids, logprobs or [{} for _ in token_ids]):
-        s = serving.token_str(tok)
+        s = token_label(serving, tok, as_ids)
         top = sorted(lp.items(), key=lambda kv: -kv[1])[:top_n] if top_n > 0 else []
         content.append(ChatTokenLogprob(
             token=s, logprob=finite(lp.get(tok, -math.inf)), bytes=list(s.encode("utf-8", "replace")),
-            top_logprobs=[TopLogprob(token=serving.token_str(t), logprob=finite(v),
-                                     bytes=list(serving.token_str(t).encode("utf-8", "replace"))) for t, v in top]))
+            top_logprobs=[TopLogprob(token=token_label(serving, t, as_ids), logprob=finite(v),
+                                     bytes=list(token_label(serving, t, as_ids).encode("utf-8", "replace")))
+                          for t, v in top]))
     return ChatChoiceLogprobs(content=content)

@@ -8,6 +8,7 @@ a request names it. An unloaded adapter stays in use by requests that already ho
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -75,6 +76,9 @@ async def load_lora_adapter(serving: OpenAIServing, request: Request) -> Respons
     reg = _enabled_registry(serving)
     if req.lora_name == serving.model_name:
         raise APIError(400, f"`{req.lora_name}` is the base model's name", param="lora_name")
+    if not await asyncio.to_thread(os.path.exists, req.lora_path):
+        # vLLM answers a path with nothing there 404 (not found), unlike an adapter it cannot use (400)
+        raise APIError(404, f"no LoRA adapter found at `{req.lora_path}`", param="lora_path", code="not_found")
     try:
         await asyncio.to_thread(reg.load, req.lora_name, req.lora_path)
     except LoRAError as exc:

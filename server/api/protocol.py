@@ -1,7 +1,8 @@
 """The OpenAI wire format: request and response models for completions and chat, and their SamplingParams.
 
 Request fields use strict pydantic types, so `"max_tokens": "16"` or `"n": true` is a 400 rather than a
-silent coercion. Unknown fields are ignored, as vLLM and OpenAI's own compatibility layers do, so clients
+silent coercion; booleans are the exception: `"logprobs": "true"` is coerced as vLLM's (pydantic's lax) models
+do, since vLLM clients send them so. Unknown fields are ignored, as vLLM and OpenAI's own compatibility layers do, so clients
 that send newer OpenAI fields keep working. Ranges are checked once, by SamplingParams; the server maps its
 SamplingParamsError (which names the field) to a 400.
 """
@@ -12,20 +13,25 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      model_serializer)
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictFloat, StrictInt,
+                      StrictStr, model_serializer)
 
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .structured_outputs import StructuredOutputsFields
 
 Number = Union[StrictFloat, StrictInt]
+# pydantic's lax bool, as vLLM's request models have it: true/false, 0/1 and "true"/"false"/"yes"/"no"/"1"/"0"...
+LaxBool = bool
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+LOGIT_BIAS_LIMIT = 100.0   # OpenAI's documented range; vLLM clamps to it too
 MAX_PROMPTS_PER_REQUEST = 64   # a completions `prompt` list; each entry is its own engine request
 MAX_MESSAGES = 1024
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: StrictBool = False
+    include_usage: LaxBool = False
+    continuous_usage_stats: LaxBool = False   # vLLM's: with include_usage, every chunk carries the counts so far
 
 
 class _SamplingRequest(StructuredOutputsFields):
@@ -36,7 +42,7 @@ class _SamplingRequest(StructuredOutputsFields):
     model: StrictStr | None = None
     n: StrictInt = 1
     best_of: StrictInt | None = None
-    use_beam_search: StrictBool = False
+    use_beam_search: LaxBool = False
     length_penalty: Number = 1.0
     temperature: Number | None = None
     top_p: Number | None = None
@@ -48,24 +54,24 @@ class _SamplingRequest(StructuredOutputsFields):
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    include_stop_str_in_output: StrictBool = False
+    include_stop_str_in_output: LaxBool = False
     max_tokens: StrictInt | None = None
     min_tokens: StrictInt = 0
-    ignore_eos: StrictBool = False
-    skip_special_tokens: StrictBool = True
-    stream: StrictBool = False
+    ignore_eos: LaxBool = False
+    skip_special_tokens: LaxBool = True
+    stream: LaxBool = False
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0
     # vLLM's name: requests share prefix-cache blocks only with requests of the same salt (e.g. per tenant)
     cache_salt: StrictStr | None = None
     user: StrictStr | None = None
-    logit_bias: dict[str, Number] | None = None
+    logit_bias: dict[str, Number] | None = None   # token id (as a string) -> bias added to its logit
+    return_token_ids: LaxBool | None = None            # vLLM's: prompt_token_ids and token_ids in the answer
+    return_tokens_as_token_ids: LaxBool | None = None  # vLLM's: logprobs name tokens "token_id:N"
 
     def _base_params(self, *, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None = None) -> SamplingParams:
         """Build and validate SamplingParams; raises SamplingParamsError naming the bad field."""
-        if self.logit_bias:
-            raise SamplingParamsError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
         if self.stream and self.best_of is not None and self.best_of > self.n:
@@ -81,19 +87,47 @@ class _SamplingRequest(StructuredOutputsFields):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            seed=engine_seed(self.seed), stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_outputs_params(),
+            structured_outputs=self.structured_outputs_params(), logit_bias=parse_logit_bias(self.logit_bias),
         )
         return SamplingParams(**kwargs)
 
 
+def engine_seed(seed: int | None) -> int | None:
+    """vLLM takes any int64 seed; the sampler seeds with ``seed % 2**63`` (sampler.py), so a negative seed is
+    passed as that same residue: the draws are those the sampler would make from the negative seed itself."""
+    if seed is None:
+        return None
+    if not INT64_MIN <= seed <= INT64_MAX:
+        raise SamplingParamsError(f"seed must be a 64-bit integer (between {INT64_MIN} and {INT64_MAX}), got {seed}",
+                                  "seed")
+    return seed % 2**63
+
+
+def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} as {id: bias}, each bias clamped to [-100, 100] as vLLM does; the ids'
+    range is the server's to check (it knows the vocabulary)."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if token < 0:
+            raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
+    return out
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    echo: StrictBool = False
+    echo: LaxBool = False
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
 
@@ -148,7 +182,8 @@ class ToolCallParam(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles, or any other the model's chat template knows: vLLM passes custom roles to the template
+    role: Annotated[StrictStr, Field(min_length=1)]
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCallParam] | None = None
@@ -192,25 +227,40 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
-    logprobs: StrictBool = False
+    logprobs: LaxBool = False
     top_logprobs: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
+    add_generation_prompt: LaxBool = True
+    continue_final_message: LaxBool = False
     tools: list[Any] | None = None   # validated by tool_definitions.parse_tools (400s naming tools[i]...)
     tool_choice: Any = None
-    parallel_tool_calls: StrictBool = True   # false: `required` makes exactly one call
+    parallel_tool_calls: LaxBool = True   # false: `required` makes exactly one call
+    echo: LaxBool = False   # vLLM's: the answer starts with the last message's content when it is the answer's role
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, vocab_size: int = 0, max_logprobs: int | None = None) -> SamplingParams:
+        """``vocab_size`` and ``max_logprobs`` resolve vLLM's ``top_logprobs: -1`` (the whole vocabulary)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
             raise SamplingParamsError("continue_final_message and add_generation_prompt cannot both be true",
                                       "continue_final_message")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        logprobs = self._top_logprobs(vocab_size, max_logprobs) if self.logprobs else None
         # max_completion_tokens is the newer name; None means "up to the model's context".
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._base_params(max_tokens=max_tokens, logprobs=logprobs)
+
+
+    def _top_logprobs(self, vocab_size: int, max_logprobs: int | None) -> int:
+        top = self.top_logprobs or 0
+        if top == -1:   # vLLM's "all of them": the vocabulary, within --max-logprobs like any other count
+            if max_logprobs is not None and vocab_size > max_logprobs:
+                raise SamplingParamsError(f"top_logprobs -1 asks for the whole vocabulary ({vocab_size} tokens); "
+                                          f"this server returns at most {max_logprobs} (--max-logprobs)",
+                                          "top_logprobs")
+            return vocab_size
+        if top < 0:
+            raise SamplingParamsError(f"top_logprobs must be a non-negative integer or -1, got {top}", "top_logprobs")
+        return top
 
 
 # ---------------------------------------------------------------- responses
@@ -219,10 +269,23 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0   # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None   # with --enable-prompt-tokens-details
+
+
+def omit_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` without those of ``keys`` that are None: vLLM sends them only where they carry something."""
+    for key in keys:
+        if data.get(key) is None:
+            data.pop(key, None)
+    return data
 
 
 class CompletionLogprobs(BaseModel):
@@ -238,6 +301,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids (a stream: its first chunk only)
+    token_ids: list[int] | None = None          # return_token_ids (a stream: each chunk's new tokens)
 
 
 class CompletionResponse(BaseModel):
@@ -295,6 +360,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -304,6 +370,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None   # return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -340,6 +407,11 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None          # return_token_ids: this chunk's new tokens
+
+    @model_serializer(mode="wrap")
+    def _omit_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return omit_none(handler(self), ("token_ids",))
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -349,6 +421,11 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None   # return_token_ids: the first chunk only
+
+    @model_serializer(mode="wrap")
+    def _omit_prompt_token_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return omit_none(handler(self), ("prompt_token_ids",))
 
 
 class ModelCard(BaseModel):

@@ -14,6 +14,7 @@ from .app import build_app
 from .http_limits import HTTPLimits, add_limit_arguments, limits_from_args
 from .http_protocol import limited_protocol
 from .serving import OpenAIServing, ServerConfig
+from .vllm_flags import add_vllm_flag_arguments, check_vllm_flags, max_logprobs_for
 
 logger = logging.getLogger("pagedmodel.server.api")
 
@@ -25,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on every path but --auth-exempt "
-                             "(also read from $PAGEDMODEL_API_KEY)")
+                             "(also read from $PAGEDMODEL_API_KEY, or vLLM's $VLLM_API_KEY)")
     add_auth_arguments(parser)
     add_limit_arguments(parser, engine=True)
     parser.add_argument("--log-requests", action="store_true", help="log one INFO line per request")
@@ -40,13 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='serve tool_choice "auto": the model decides, --tool-call-parser reads its calls')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="the model's tool-call format (hermes: <tool_call>{...}</tool_call>)")
+    add_vllm_flag_arguments(parser)
 
 
 class _GracefulServer:
     """uvicorn.Server whose SIGTERM ends the process with status 0 after draining, as Kubernetes expects."""
 
     def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str,
-                 limits: HTTPLimits | None = None):
+                 limits: HTTPLimits | None = None, root_path: str = ""):
         import uvicorn
         limits = limits or HTTPLimits()
         # h11 with our protocol (http_protocol.py): header size, head timeout and connection limits as JSON
@@ -54,7 +56,7 @@ class _GracefulServer:
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                      timeout_graceful_shutdown=max(0.0, shutdown_timeout), lifespan="on",
                                      http=limited_protocol(limits), h11_max_incomplete_event_size=limits.max_header_bytes,
-                                     timeout_keep_alive=limits.keep_alive_timeout)
+                                     timeout_keep_alive=limits.keep_alive_timeout, root_path=root_path)
         self.server = uvicorn.Server(self.config)
         self.app = app
 
@@ -84,6 +86,11 @@ def _one_line(exc: BaseException, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def api_key_from(flag: str | None, environ: dict[str, str]) -> str | None:
+    """--api-key, else $PAGEDMODEL_API_KEY, else vLLM's $VLLM_API_KEY (a vLLM deployment's env keeps working)."""
+    return flag or environ.get("PAGEDMODEL_API_KEY") or environ.get("VLLM_API_KEY") or None
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -98,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     tune_malloc()   # before the weights load and the engine's threads start (allocator.py says why)
     try:
         engine_args = EngineArgs.from_cli_args(args)
-        limits = limits_from_args(args)
+        # --max-logprobs is checked against the vocabulary once the model is loaded
+        limits_from_args(args, max_logprobs_ceiling=sys.maxsize, max_logprobs=max(args.max_logprobs, 0))
+        vllm_notes = check_vllm_flags(args)
     except (ConfigError, ValueError) as exc:
         print(f"pagedmodel serve: error: {exc}", file=sys.stderr)
         return 2
@@ -121,15 +130,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedmodel serve: error: cannot start the engine: {type(exc).__name__}: {_one_line(exc)} "
               "(--log-level debug shows the traceback)", file=sys.stderr)
         return 1
-    config = ServerConfig(served_model_name=engine.model_name,
-                          api_key=args.api_key or os.environ.get("PAGEDMODEL_API_KEY") or None,
+    for note in vllm_notes:
+        logger.info("%s", note)
+    vocab = len(engine.tokenizer)
+    limits = limits_from_args(args, max_logprobs_ceiling=vocab, max_logprobs=max_logprobs_for(args.max_logprobs, vocab))
+    config = ServerConfig(served_model_name=engine.model_name, api_key=api_key_from(args.api_key, dict(os.environ)),
                           log_requests=args.log_requests, max_queue_len=engine_args.max_queue_len,
                           model_root=engine_args.model, enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser,
                           enable_debug_endpoints=args.enable_debug_endpoints, auth_exempt=args.auth_exempt,
-                          limits=limits)
+                          limits=limits, enable_request_id_headers=args.enable_request_id_headers,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                          enable_server_load_tracking=args.enable_server_load_tracking)
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, args.host, args.port,
                 engine.max_model_len)
-    _GracefulServer(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits).run()
+    _GracefulServer(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits,
+                    root_path=args.root_path or "").run()
     return 0

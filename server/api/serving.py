@@ -31,7 +31,7 @@ from .errors import UNSERVED_HEADER, APIError, validation_message
 from .http_limits import HTTPLimits, read_body
 from .lora_adapters import resolve_model
 from .metrics import ServerMetrics, cache_config_labels
-from .protocol import ChatMessage
+from .protocol import ChatMessage, PromptTokensDetails, UsageInfo
 from .tool_definitions import FunctionTool
 from .tool_prompt import prepare_chat
 
@@ -56,6 +56,12 @@ class ServerConfig:
     enable_debug_endpoints: bool = False   # GET /debug/kv_blocks (debug.py)
     auth_exempt: tuple[str, ...] = DEFAULT_AUTH_EXEMPT   # paths served without the API key
     limits: HTTPLimits = field(default_factory=HTTPLimits)   # docs/limits.md
+    # vLLM's flags of the same names (vllm_flags.py, docs/vllm_compat.md)
+    enable_request_id_headers: bool = False
+    enable_prompt_tokens_details: bool = False
+    return_tokens_as_token_ids: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_server_load_tracking: bool = False
 
 
 class ClientDisconnected(Exception):
@@ -100,6 +106,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ parsing
     async def parse_body(self, request: Request, model_cls: type[M]) -> M:
+        return self.validate_body(await self.read_json(request), model_cls)
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        """The body as a JSON object, within the limits; a precise 400/413/415 otherwise."""
         ctype = request.headers.get("content-type")
         mime = (ctype or "application/json").split(";")[0].strip().lower()
         if mime != "application/json":
@@ -125,7 +135,10 @@ class OpenAIServing:
                            code="invalid_json") from None
         if not isinstance(data, dict):
             raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-        limits.check_fields(data)
+        return data
+
+    def validate_body(self, data: dict[str, Any], model_cls: type[M]) -> M:
+        self.config.limits.check_fields(data)
         try:
             return model_cls.model_validate(data)
         except ValidationError as exc:
@@ -276,6 +289,24 @@ class OpenAIServing:
             watcher.cancel()
             self.async_engine.abort(group)   # no-op when everything finished
         return final
+
+    # ------------------------------------------------------------------ vLLM's response options
+    def tokens_as_ids(self, requested: bool | None) -> bool:
+        """return_tokens_as_token_ids: the request's own choice, else --return-tokens-as-token-ids."""
+        return self.config.return_tokens_as_token_ids if requested is None else requested
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
+        """The token counts; with --enable-prompt-tokens-details, also how many prompt tokens were cached."""
+        details = PromptTokensDetails(cached_tokens=cached_tokens) if self.config.enable_prompt_tokens_details else None
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        """logit_bias ids must name tokens (the sampler would skip others silently)."""
+        bad = sorted(t for t in (params.logit_bias or {}) if t >= self.tokenizer_size)
+        if bad:
+            raise APIError(400, f"logit_bias has token ids outside the vocabulary of {self.tokenizer_size} tokens: "
+                                f"{bad[:8]}", param="logit_bias")
 
     def set_log_info(self, request: Request, request_id: str, prompt_tokens: int, completion_tokens: int,
                      finish: str | None) -> None:

@@ -57,12 +57,15 @@ async def guarded_stream(serving: OpenAIServing, group: RequestGroup, body: Asyn
     yield "data: [DONE]\n\n"
 
 
-def usage_chunk(response_cls: type[BaseModel], request_id: str, created: int, model: str, prompt_tokens: int,
-                completion_tokens: int) -> str:
+def usage_chunk(response_cls: type[BaseModel], request_id: str, created: int, model: str, usage: UsageInfo) -> str:
     """The last chunk of a stream asked for `stream_options.include_usage`: no choices, the token counts."""
-    return sse(response_cls(id=request_id, created=created, model=model, choices=[],
-                            usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                            total_tokens=prompt_tokens + completion_tokens)))
+    return sse(response_cls(id=request_id, created=created, model=model, choices=[], usage=usage))
+
+
+def usage_options(stream_options: Any) -> tuple[bool, bool]:
+    """(a final usage chunk, usage on every chunk): vLLM's continuous_usage_stats counts only with include_usage."""
+    include = bool(stream_options and stream_options.include_usage)
+    return include, include and bool(stream_options.continuous_usage_stats)
 
 
 class DeltaTracker:

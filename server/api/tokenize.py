@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from .errors import APIError
 from .protocol import MAX_MESSAGES, ChatMessage
@@ -23,12 +23,13 @@ class TokenizeRequest(BaseModel):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
-    # vLLM's defaults: a prompt gets the tokenizer's special tokens, rendered chat already holds them
-    add_special_tokens: StrictBool | None = None
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
+    # vLLM's defaults: a prompt gets the tokenizer's special tokens, rendered chat already holds them.
+    # Booleans are pydantic's lax ones, as in vLLM: "true" and "false" as strings are taken.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Any] | None = None
-    return_token_strs: StrictBool = False
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):

@@ -119,17 +119,44 @@ def resolve_tool_choice(raw: Any, tools: list[FunctionTool], auto_enabled: bool)
                "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
 
 
+DEFINITION_KEYS = ("$defs", "definitions")   # where JSON Schema keeps what "#/$defs/X" refs point at
+
+
 def required_schema(tools: list[FunctionTool], parallel: bool = True) -> dict[str, Any]:
     """`required`: a non-empty array of calls, each `{"name": <a tool>, "arguments": <its parameters>}`;
-    exactly one call when the request says `parallel_tool_calls: false`."""
+    exactly one call when the request says `parallel_tool_calls: false`.
+
+    A tool's root-relative refs ("#/$defs/X") would point into the combined schema's root once its
+    parameters sit inside it, so each tool's definitions move to that root."""
+    root_defs: dict[str, dict[str, Any]] = {}
     calls = [{"type": "object",
-              "properties": {"name": {"type": "string", "const": t.name}, "arguments": t.parameters},
+              "properties": {"name": {"type": "string", "const": t.name},
+                             "arguments": _hoist_definitions(t, root_defs)},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema: dict[str, Any] = {"type": "array", "items": item, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
+    schema.update({key: defs for key, defs in root_defs.items() if defs})
     return schema
+
+
+def _hoist_definitions(tool: FunctionTool, root_defs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The tool's parameters without their definitions, which join ``root_defs``; two tools defining one
+    name differently cannot share the root, and that is a 400."""
+    params = dict(tool.parameters)
+    for key in DEFINITION_KEYS:
+        defs = params.pop(key, None)
+        if not isinstance(defs, dict):
+            continue
+        merged = root_defs.setdefault(key, {})
+        for name, definition in defs.items():
+            if name in merged and merged[name] != definition:
+                raise APIError(400, f"tools define {key}/{name} differently; tool_choice \"required\" combines "
+                                    f"every tool's schema into one, so the definitions must agree",
+                               param="tools")
+            merged[name] = definition
+    return params
 
 
 def named_schema(tools: list[FunctionTool], name: str) -> dict[str, Any]:

@@ -94,7 +94,8 @@ class EngineArgs:
         a("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"].default, help="share of GPU memory for weights + activations + KV cache")
         a("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (CPU; default 1 GiB)")
         a("--swap-space", type=float, default=d["swap_space"].default, help="GiB of CPU memory for swapped-out KV blocks")
-        a("--enable-prefix-caching", action="store_true", help="reuse KV blocks of identical prompt prefixes")
+        a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+          help="reuse KV blocks of identical prompt prefixes (off by default; --no-enable-prefix-caching: off)")
         a("--preemption-mode", choices=PREEMPTION_MODES, default=None, help="how to free KV blocks when they run out")
         a("--dtype", choices=DTYPES, default="auto",
           help="weights and activations dtype (auto: bf16 on GPU and on CPUs with AMX or AVX512-BF16, else fp32)")

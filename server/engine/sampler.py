@@ -89,6 +89,7 @@ def _reads_narrow_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
         return False
     draws = cpu_ops.sampling() is not None
     return all(row.matcher is None and row.params.logprobs is None and not needs_penalties(row)
+               and not row.params.logit_bias
                and (row.params.greedy or (draws and not row.params.use_beam_search)) for row in rows)
 
 
@@ -113,9 +114,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         index = torch.tensor(penalised, dtype=torch.long, device=logits.device)
         penalties = apply_penalties(logits.index_select(0, index), [rows[i] for i in penalised])
         logits = logits.index_put((index,), penalties)
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if biased:
+        logits = _with_logit_bias(logits, rows, biased)
     tokens: list[int] = [0] * len(rows)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy or row.params.use_beam_search]
-    changed = set(constrained) | set(penalised)
+    changed = set(constrained) | set(penalised) | set(biased)
     plain = [i for i in greedy if i not in changed]
     if plain:
         for i, token in zip(plain, raw_argmax[plain].tolist() if len(plain) < len(rows) else raw_argmax.tolist()):
@@ -145,6 +149,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     chosen = (chosen_logits - logsumexp).tolist()
     return [SampleResult(tokens[i], chosen[i], _with_chosen(top, tokens[i], chosen[i]))
             for i, top in enumerate(tops)]
+
+
+def _with_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], biased: list[int]) -> torch.Tensor:
+    """A copy of ``logits`` with each biased row's ``logit_bias`` added (after grammar masks and penalties,
+    before the draw, as vLLM does); the logprobs stay the raw model's. Ids past the logits are skipped:
+    the server refuses them, and an offline caller's typo must not crash the batch."""
+    width = logits.shape[-1]
+    pairs = [(i, t, b) for i in biased for t, b in rows[i].params.logit_bias.items() if t < width]
+    if not pairs:
+        return logits
+    r = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=logits.device)
+    t = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=logits.device)
+    b = torch.tensor([p[2] for p in pairs], dtype=logits.dtype, device=logits.device)
+    return logits.index_put((r, t), logits[r, t] + b)
 
 
 def _top_logprobs(logits: torch.Tensor, logsumexp: torch.Tensor,

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 MAX_N = 16          # samples (or beams) per request; more is a 400, not an OOM
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 256
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20   # the server's default --max-logprobs; the flag may raise it up to the vocabulary
 
 
 class SamplingParamsError(ValueError):
@@ -46,6 +46,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: "StructuredOutputsParams | None" = None   # constrained decoding (structured_outputs.md)
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (OpenAI's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,8 +109,13 @@ class SamplingParams:
             fail(f"stop_token_ids must be at most {MAX_STOP_STRINGS} non-negative integers", "stop_token_ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
-                fail(f"{name} must be an integer between 0 and {MAX_LOGPROBS}, got {v!r}", name)
+            # no ceiling here: the server caps it (--max-logprobs, up to the vocabulary, as vLLM does)
+            if v is not None and (not is_int(v) or v < 0):
+                fail(f"{name} must be a non-negative integer, got {v!r}", name)
+        if self.logit_bias is not None and not (
+                isinstance(self.logit_bias, dict)
+                and all(is_int(t) and t >= 0 and is_num(b) for t, b in self.logit_bias.items())):
+            fail("logit_bias must map token ids to finite numbers", "logit_bias")
         if self.early_stopping not in (True, False, "never"):
             fail(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}", "early_stopping")
         if self.use_beam_search:

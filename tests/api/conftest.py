@@ -98,6 +98,38 @@ def api_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         srv.stop()
 
 
+VLLM_KEY = "vllm-env-key"
+VLLM_MODEL = "vllm-flags"
+# The flags a vLLM deployment's command line carries (docs/vllm_compat.md), every one of them at once
+VLLM_COMMAND_LINE = (
+    "--root-path", "/proxy", "--enable-request-id-headers", "--show-hidden-metrics-for-version", "0.10",
+    "--enable-prompt-tokens-details", "--structured-outputs-config.backend", "guidance", "--runner", "generate",
+    "--max-cpu-loras", "2", "--load-format", "auto", "--no-enable-chunked-prefill", "--enable-prefix-caching",
+    "--disable-frontend-multiprocessing", "--return-tokens-as-token-ids", "--max-logprobs", "151936",
+    "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
+)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server started the way a vLLM deployment starts one: its flags, and the key in $VLLM_API_KEY."""
+    log = tmp_path_factory.mktemp("vllm_server") / "server.log"
+    old = os.environ.get("VLLM_API_KEY")
+    os.environ["VLLM_API_KEY"] = VLLM_KEY   # the child copies the environment at start
+    try:
+        srv = ServerProcess(server_model_dir, log, "--max-model-len", "256", "--kv-cache-memory", str(8 << 20),
+                            "--served-model-name", VLLM_MODEL, *VLLM_COMMAND_LINE)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_API_KEY")
+        else:
+            os.environ["VLLM_API_KEY"] = old
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
 @pytest.fixture()
 def client(api_server: ServerProcess):
     import openai

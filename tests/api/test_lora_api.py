@@ -92,6 +92,9 @@ def test_runtime_load_and_unload(lora_server, adapters, expected, tmp_path):
     bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
     assert "adapter_config.json" in bad.json()["error"]["message"]
+    # a path with nothing there is 404 as in vLLM (an adapter we cannot use stays 400)
+    gone = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "nope")})
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_path", gone.text
     missing = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a16"})

@@ -1,0 +1,114 @@
+"""A vLLM `serve` command line runs here: each flag is implemented, accepted with one "no effect" log line,
+or refused with a message (docs/vllm_compat.md); VLLM_API_KEY guards like --api-key."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedmodel.server.api.serve import api_key_from
+from pagedmodel.server.api.vllm_flags import check_vllm_flags
+from support import assert_openai_error
+
+from .conftest import VLLM_KEY, VLLM_MODEL, ServerProcess
+
+AUTH = {"Authorization": f"Bearer {VLLM_KEY}"}
+MODEL = VLLM_MODEL
+VOCAB = 49152   # SmolLM2's tokenizer, which the tiny test model uses
+NO_EFFECT_FLAGS = ("--show-hidden-metrics-for-version", "--max-cpu-loras", "--[no-]enable-chunked-prefill",
+                   "--disable-frontend-multiprocessing", "--structured-outputs-config.backend")
+
+
+def test_a_vllm_command_line_starts_and_logs_one_line_per_flag_without_effect(vllm_server: ServerProcess) -> None:
+    log = vllm_server.log()
+    for flag in NO_EFFECT_FLAGS:
+        assert sum(1 for line in log.splitlines() if f"{flag} " in line and "has no effect here" in line) == 1, flag
+    # the implemented ones do not claim to have no effect
+    for flag in ("--root-path", "--enable-request-id-headers", "--return-tokens-as-token-ids", "--runner"):
+        assert not any(flag in line and "no effect" in line for line in log.splitlines()), flag
+
+
+def test_vllm_api_key_env_guards_the_server(vllm_server: ServerProcess) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    r = httpx.post(vllm_server.base_url + "/v1/completions", json=body, timeout=30)
+    assert_openai_error(r.status_code, r.content, 401)
+    assert httpx.post(vllm_server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=30).status_code == 200
+
+
+def test_api_key_precedence() -> None:
+    assert api_key_from(None, {"VLLM_API_KEY": "v"}) == "v"
+    assert api_key_from(None, {"VLLM_API_KEY": "v", "PAGEDMODEL_API_KEY": "p"}) == "p"
+    assert api_key_from("flag", {"VLLM_API_KEY": "v"}) == "flag"
+    assert api_key_from(None, {"VLLM_API_KEY": ""}) is None
+
+
+def test_request_id_header_echoes_the_clients_or_makes_one(vllm_server: ServerProcess) -> None:
+    url = vllm_server.base_url
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    mine = httpx.post(url + "/v1/completions", json=body, headers={**AUTH, "X-Request-Id": "trace-42"}, timeout=30)
+    assert mine.status_code == 200 and mine.headers.get_list("x-request-id") == ["trace-42"]
+    own = httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert own.headers["x-request-id"] == own.json()["id"]        # the endpoint's own id when none was sent
+    for r in (httpx.get(url + "/health", timeout=10), httpx.get(url + "/v1/models", timeout=10)):   # 200 and 401
+        assert len(r.headers.get_list("x-request-id")) == 1 and len(r.headers["x-request-id"]) >= 16
+    assert httpx.get(url + "/health", headers={"X-Request-Id": "abc"}, timeout=10).headers["x-request-id"] == "abc"
+
+
+def test_root_path_is_the_apps_prefix(vllm_server: ServerProcess) -> None:
+    doc = httpx.get(vllm_server.base_url + "/openapi.json", headers=AUTH, timeout=10).json()
+    assert doc["servers"] == [{"url": "/proxy"}]
+
+
+def test_prompt_tokens_details_and_tokens_as_ids_by_flag(vllm_server: ServerProcess) -> None:
+    with openai.OpenAI(base_url=vllm_server.base_url + "/v1", api_key=VLLM_KEY, max_retries=0) as client:
+        r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, logprobs=1)
+        assert r.usage.prompt_tokens_details is not None and r.usage.prompt_tokens_details.cached_tokens == 0
+        # a prompt of more than one 128-token block, twice: the second finds its first block cached
+        long_prompt = [100 + i for i in range(150)]
+        client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
+        again = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens == 128
+        assert all(t.startswith("token_id:") for t in r.choices[0].logprobs.tokens)
+        # the request's own choice wins over the flag
+        r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0, logprobs=1,
+                                      extra_body={"return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in r.choices[0].logprobs.tokens)
+
+
+def test_max_logprobs_up_to_the_vocabulary(vllm_server: ServerProcess) -> None:
+    url = vllm_server.base_url + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "logprobs": True}
+    r = httpx.post(url, json={**body, "top_logprobs": 100}, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 100
+    # -1: the whole vocabulary (151936 was capped at it)
+    r = httpx.post(url, json={**body, "top_logprobs": -1}, headers=AUTH, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == VOCAB
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--runner", "pooling"], "--runner pooling is not served"),
+    (["--load-format", "dummy"], "--load-format dummy is not served"),
+    (["--max-logprobs", "-5"], "--max-logprobs"),
+])
+def test_flags_that_would_change_results_are_refused(server_model_dir: Path, args: list[str], message: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "serve", "--model", str(server_model_dir),
+                        "--device", "cpu", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_no_effect_notes_only_for_flags_given() -> None:
+    import argparse
+
+    from pagedmodel.server.api.serve import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert check_vllm_flags(parser.parse_args([])) == []
+    assert check_vllm_flags(parser.parse_args(["--structured-outputs-config.backend", "xgrammar"])) == []
+    notes = check_vllm_flags(parser.parse_args(["--enable-chunked-prefill", "--max-cpu-loras", "4"]))
+    assert len(notes) == 2 and all("has no effect here" in n for n in notes)
+    assert parser.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parser.parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
