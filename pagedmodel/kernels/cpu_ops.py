@@ -27,7 +27,6 @@ the model's torch path, oneDNN's linears).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -107,8 +106,6 @@ def load() -> LoadedOps | None:
 
 
 def _load(choice: str) -> LoadedOps | None:
-    if choice == "off":
-        return None
     levels = built_levels()
     built = {name for name, entry in levels.items() if "file" in entry}
     level = cpu_isa.choose(choice, cpu_isa.cpu_flags(), built)   # ValueError: asked for what cannot run here
