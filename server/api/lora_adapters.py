@@ -78,7 +78,7 @@ async def load_lora_adapter(serving: OpenAIServing, request: Request) -> Respons
         raise APIError(400, f"`{req.lora_name}` is the base model's name", param="lora_name")
     if not await asyncio.to_thread(os.path.exists, req.lora_path):
         # vLLM answers a path with nothing there 404 (not found), unlike an adapter it cannot use (400)
-        raise APIError(404, f"no LoRA adapter found at `{req.lora_path}`", param="lora_path", code="not_found")
+        raise APIError(404, f"LoRA adapter path `{req.lora_path}` does not exist", param="lora_path", code="not_found")
     try:
         await asyncio.to_thread(reg.load, req.lora_name, req.lora_path)
     except LoRAError as exc:

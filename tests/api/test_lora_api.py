@@ -95,6 +95,7 @@ def test_runtime_load_and_unload(lora_server, adapters, expected, tmp_path):
     # a path with nothing there is 404 as in vLLM (an adapter we cannot use stays 400)
     gone = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "nope")})
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "lora_path", gone.text
+    assert "does not exist" in gone.json()["error"]["message"]
     missing = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x"})
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a16"})

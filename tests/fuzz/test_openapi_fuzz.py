@@ -52,14 +52,16 @@ def servers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         stop_process(engine)
 
 
-def check_answer(status: int, ctype: str, content: bytes, label: str) -> None:
+def check_answer(status: int, ctype: str, content: bytes, label: str, cut_short: bool = False) -> None:
+    """``cut_short``: schemathesis stopped reading an event stream after its first 20 events (it keeps only
+    the complete ones), so that stream has no [DONE] to check."""
     assert status < 500, f"{label}: {status} {content[:500]!r}"
     if ctype.startswith("text/plain") and 200 <= status < 300:   # /metrics
         return
     if ctype.startswith("text/event-stream"):
         events = [e for e in content.decode().split("\n\n") if e.strip()]
-        assert events and events[-1] == "data: [DONE]", f"{label}: {content[-300:]!r}"
-        for e in events[:-1]:
+        assert events and (cut_short or events[-1] == "data: [DONE]"), f"{label}: {content[-300:]!r}"
+        for e in events[:-1] if events[-1] == "data: [DONE]" else events:
             assert e.startswith("data: "), f"{label}: {e!r}"
             json.loads(e[6:])
         return
@@ -89,7 +91,7 @@ def fuzz(doc: dict, base_url: str) -> int:
                 resp = case.call(base_url=base_url, timeout=60)
                 calls += 1
                 ctype = (resp.headers.get("content-type") or [""])[0]
-                check_answer(resp.status_code, ctype, resp.content, label)
+                check_answer(resp.status_code, ctype, resp.content, label, resp.stream_cut_short)
             try:
                 one()
             except Unsatisfiable:
