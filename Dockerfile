@@ -10,8 +10,9 @@
 #
 # Build with:  docker build -t ghcr.io/pagedmodel/pagedmodel:0.1.0 .   (BuildKit, Docker's default since 23,
 # for RUN --mount; buildah bud works the same)
-# BASE_IMAGE: any Debian-based image with Python >= 3.10 and pip (the e2e tier builds one from Debian's
-# packages where the public base can't be pulled).
+# BASE_IMAGE: any Debian-based image with Python >= 3.10 and pip; where the public base can't be pulled, a
+# Debian bookworm made with mmdebstrap (python3, python3-pip, passwd; PIP_BREAK_SYSTEM_PACKAGES=1) serves:
+# docs/benchmarks.md, "Cold start", has that build's time and the image's size (6.22 GB).
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
