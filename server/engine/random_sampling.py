@@ -12,7 +12,7 @@ Here each filter is one batched op over ``[rows, vocab]``:
   row from that row's own generator, so a seeded sample's tokens do not depend on what else shares its
   batch.
 
-On CPU the C++ op ``pagedmodel/kernels/cpu_sampling.cpp`` does all of this in a few passes over each row (no
+On CPU the C++ op ``kernels/cpu_sampling.cpp`` does all of this in a few passes over each row (no
 softmax, top-k or sort of the block; 90 of a 357 ms step at 256 top-p rows spent here before it). It
 keeps the same tokens and draws the same token for the same uniform number, so the torch code below is
 both its fallback and the reference it is tested against.

@@ -1,4 +1,4 @@
-"""The fused CPU layer ops (pagedmodel/kernels/cpu_layer_ops.cpp) against the torch ops they replace, and the
+"""The fused CPU layer ops (kernels/cpu_layer_ops.cpp) against the torch ops they replace, and the
 model with them against the model without them."""
 from __future__ import annotations
 

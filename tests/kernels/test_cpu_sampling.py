@@ -1,4 +1,4 @@
-"""The CPU sampling op (pagedmodel/kernels/cpu_sampling.cpp) against the row-by-row reference and the torch path.
+"""The CPU sampling op (kernels/cpu_sampling.cpp) against the row-by-row reference and the torch path.
 
 It must keep exactly the tokens the reference keeps (temperature, top-k, min-p, top-p by a full sort),
 with the same probabilities, on peaked rows and on flat ones (where the nucleus is thousands of tokens

@@ -1,4 +1,4 @@
-"""The sampler's per-row argmax + log-sum-exp (pagedmodel/kernels/cpu_logits_stats.cpp and its torch fallback)
+"""The sampler's per-row argmax + log-sum-exp (kernels/cpu_logits_stats.cpp and its torch fallback)
 against torch.argmax and torch.logsumexp."""
 from __future__ import annotations
 

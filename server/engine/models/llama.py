@@ -19,7 +19,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def cpu_layer_ops(x: torch.Tensor):
-    """The fused C++ layer ops (``pagedmodel/kernels/cpu_layer_ops.cpp``) where they apply to ``x``, else None.
+    """The fused C++ layer ops (``kernels/cpu_layer_ops.cpp``) where they apply to ``x``, else None.
     The model looks them up once a forward and hands them to every layer (``ops``): looked up per call, as
     each of a step's ~150 call sites once did, the lookups cost ~0.3 ms a step."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
