@@ -13,9 +13,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-# Every level: optimised, no debug info and no -fwrapv (Python's own flags add both), vectorised loops, float
-# contractions,
-# no errno from libm.
+# Every level: optimised, no debug info and no -fwrapv (Python's own flags add both), vectorised loops,
+# float contractions, no errno from libm.
 COMMON_CFLAGS = ("-O3", "-g0", "-fno-wrapv", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno")
 # /proc/cpuinfo's names for x86-64-v3 (lzcnt is "abm" there)
 V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
@@ -63,32 +62,28 @@ LEVELS: tuple[IsaLevel, ...] = (
 BY_NAME = {level.name: level for level in LEVELS}
 
 
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The ``flags`` line of ``/proc/cpuinfo`` (or of ``cpuinfo``'s text), empty if there is none."""
+def _cpuinfo_field(key: str, cpuinfo: str | None) -> str | None:
+    """The first ``key`` line's value in ``/proc/cpuinfo`` (or in ``cpuinfo``'s text); None if there is none."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return frozenset()
+            return None
     for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        name, _, value = line.partition(":")
+        if name.strip() == key:
+            return value
+    return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The ``flags`` line of ``/proc/cpuinfo`` (or of ``cpuinfo``'s text), empty if there is none."""
+    return frozenset((_cpuinfo_field("flags", cpuinfo) or "").split())
 
 
 def cpu_vendor(cpuinfo: str | None = None) -> str:
     """``vendor_id`` of ``/proc/cpuinfo`` (GenuineIntel, AuthenticAMD, ...), empty if there is none."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    return (_cpuinfo_field("vendor_id", cpuinfo) or "").strip()
 
 
 def supported(flags: frozenset[str], built: set[str] | None = None) -> list[IsaLevel]:

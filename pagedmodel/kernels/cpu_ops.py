@@ -83,10 +83,13 @@ def built_levels(manifest: Path | None = None) -> dict[str, dict]:
 def stale_levels(manifest: Path | None = None, sources: Path = SOURCE_KERNELS) -> list[str]:
     """In a source checkout, the built levels whose sources, flags or torch changed since: a developer who
     edited ``kernels/`` and did not reinstall would otherwise test the old binary. Empty in a wheel."""
-    if not (sources / "cpu_paged_attention.cpp").is_file():
-        return []
-    return [name for name, entry in built_levels(manifest).items()
-            if "file" in entry and entry["digest"] != cpu_isa.BY_NAME[name].sources_digest(sources, torch.__version__)]
+    return [name for name, entry in built_levels(manifest).items() if "file" in entry and _stale(name, entry, sources)]
+
+
+def _stale(name: str, entry: dict, sources: Path) -> bool:
+    """Whether ``entry``'s build differs from the sources of a checkout (False where there are none)."""
+    return (sources / "cpu_paged_attention.cpp").is_file() and \
+        entry["digest"] != cpu_isa.BY_NAME[name].sources_digest(sources, torch.__version__)
 
 
 def load() -> LoadedOps | None:
@@ -112,7 +115,8 @@ def _load(choice: str) -> LoadedOps | None:
     if level is None:
         return _unavailable(_why_none(levels))
     path = HERE / levels[level.name]["file"]
-    if level.name in stale_levels():
+    # the loaded level alone: hashing kernels/ for every level at each start is work nobody reads
+    if _stale(level.name, levels[level.name], SOURCE_KERNELS):
         log.warning("the CPU ops' %s build is older than the sources in %s: %s", level.name, SOURCE_KERNELS,
                     REBUILD_HINT)
     try:
