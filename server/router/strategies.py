@@ -78,16 +78,23 @@ def kv_score(u: UpstreamView) -> float:
     return kv + load / capacity + waiting / capacity
 
 
-def pick_kv_aware(ups: Sequence[UpstreamView]) -> UpstreamView | None:
+def _rotate_ties(ups: Sequence[UpstreamView], key, turn: int) -> UpstreamView | None:
+    """The upstream with the lowest `key`; equal ones take turns (by `turn`). Breaking ties by URL
+    sent every request to the same replica whenever the engines were idle between requests (low
+    traffic finishes each request before the next arrives), leaving the others cold."""
     if not ups:
         return None
-    return min(ups, key=lambda u: (kv_score(u), u.inflight, u.url))
+    best = min(key(u) for u in ups)
+    tied = sorted((u for u in ups if key(u) == best), key=lambda u: u.url)
+    return tied[turn % len(tied)]
 
 
-def pick_least_load(ups: Sequence[UpstreamView]) -> UpstreamView | None:
-    if not ups:
-        return None
-    return min(ups, key=lambda u: (u.inflight, u.kv_usage or 0.0, u.url))
+def pick_kv_aware(ups: Sequence[UpstreamView], turn: int = 0) -> UpstreamView | None:
+    return _rotate_ties(ups, lambda u: (kv_score(u), u.inflight), turn)
+
+
+def pick_least_load(ups: Sequence[UpstreamView], turn: int = 0) -> UpstreamView | None:
+    return _rotate_ties(ups, lambda u: (u.inflight, u.kv_usage or 0.0), turn)
 
 
 def bounded_load(ups: Sequence[UpstreamView], load_factor: float = 1.25) -> int:
@@ -220,12 +227,13 @@ class Router:
         self.strategy = strategy
         self._rr = RoundRobin()
         self._prefix = PrefixAffinity()
+        self._turn = 0   # rotates ties among equally loaded upstreams (kv-aware, least-load)
 
     def pick(self, ups: Sequence[UpstreamView], prompt: str = "") -> UpstreamView | None:
-        if self.strategy == "kv-aware":
-            return pick_kv_aware(ups)
-        if self.strategy == "least-load":
-            return pick_least_load(ups)
+        if self.strategy in ("kv-aware", "least-load"):
+            self._turn += 1
+            pick = pick_kv_aware if self.strategy == "kv-aware" else pick_least_load
+            return pick(ups, self._turn)
         if self.strategy == "round-robin":
             return self._rr.pick(ups)
         if self.strategy == "prefix-cache":

@@ -51,6 +51,19 @@ def test_least_load_uses_inflight_then_kv():
     assert pick_least_load(ups).url == C
 
 
+@pytest.mark.parametrize("strategy", ["kv-aware", "least-load"])
+def test_idle_replicas_take_turns_at_low_traffic(strategy):
+    # Each request finishes before the next arrives: every pick sees the same idle snapshot. Breaking
+    # the tie by URL sent them all to A; the tie rotates instead, so every replica serves (and stays warm).
+    router = Router(strategy)
+    ups = [UpstreamView(u, kv_usage=0.0, waiting=0, running=0, inflight=0) for u in (C, A, B)]
+    picks = collections.Counter(router.pick(ups).url for _ in range(30))
+    assert picks == {A: 10, B: 10, C: 10}
+    # A real difference still wins over the rotation.
+    busier = [UpstreamView(A, inflight=1), UpstreamView(B), UpstreamView(C, inflight=1)]
+    assert {router.pick(busier).url for _ in range(5)} == {B}
+
+
 def test_round_robin_cycles():
     rr = RoundRobin()
     ups = [UpstreamView(C), UpstreamView(A), UpstreamView(B)]
