@@ -10,33 +10,43 @@
 #
 # Build with:  docker build -t ghcr.io/pagedmodel/pagedmodel:0.1.0 .   (BuildKit, Docker's default since 23,
 # for RUN --mount; buildah bud works the same)
-# BASE_IMAGE: any Debian-based image with Python >= 3.10 and pip; where the public base can't be pulled, a
+# BASE_IMAGE: any Debian-based image with Python >= 3.11 and pip; where the public base can't be pulled, a
 # Debian bookworm made with mmdebstrap (python3, python3-pip, passwd; PIP_BREAK_SYSTEM_PACKAGES=1) serves:
-# docs/benchmarks.md, "Cold start", has that build's time and the image's size (6.22 GB).
+# `python -m e2e.node.images` builds that base and this image for the e2e tier's real node.
+#
+# Layers are ordered for rebuilds: the dependencies (torch and its CUDA wheels, ~5 GB) are one layer keyed
+# on pyproject.toml alone, so a change to the code rebuilds and moves only the project's own layers.
 ARG BASE_IMAGE=python:3.11-slim
 
-FROM ${BASE_IMAGE} AS build
+FROM ${BASE_IMAGE} AS runtime
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 1000 --user-group --create-home --home-dir /home/pagedmodel pagedmodel
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && rm /tmp/pyproject.toml /tmp/requirements.txt
+
+FROM runtime AS build
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && pip install --no-cache-dir "setuptools>=64" ninja wheel
 WORKDIR /src
 COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY kernels ./kernels
 COPY pagedmodel ./pagedmodel
 COPY server ./server
 COPY operator ./operator
-# Our wheel alone (its build environment brings the pinned torch and ninja); the dependencies come from
-# PyPI in the final stage, so no layer holds a second copy of them.
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+# Our wheel alone, built against the runtime layer's torch (the one the ops will load).
+RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
-FROM ${BASE_IMAGE}
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/* \
-    && useradd --uid 1000 --user-group --create-home --home-dir /home/pagedmodel pagedmodel
+FROM runtime
 # The wheel comes in through a bind mount from the build stage: no layer keeps it.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir /wheels/pagedmodel-*.whl
+    pip install --no-cache-dir --no-deps /wheels/pagedmodel-*.whl
 
 # The default model lives in the image, so `builtin://smollm2` needs no network and no writable disk.
 # Scratch (Triton/inductor caches, anything under XDG's cache) goes to /tmp, an emptyDir in the operator's

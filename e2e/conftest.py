@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 
 from e2e.kubelet import process
-from e2e.target import ClusterTarget, open_target
+from e2e.target import ClusterTarget, open_real_node_target, open_target
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,28 @@ def cluster() -> Iterator[ClusterTarget]:
     finally:
         target.close()
         process.kill_all(grace_s=1.0)   # belt and braces: nothing we started outlives the session
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[ClusterTarget]:
+    """The real node: kubelet v1.37.2 on containerd, pods of the chart's image from the local
+    registry. Missing parts (root, containerd, binaries, the image) fail the test with what to do."""
+    target = open_real_node_target()
+    try:
+        yield target
+    finally:
+        target.close()
+
+
+@pytest.fixture
+def real_namespace(real_cluster: ClusterTarget, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = real_cluster.new_namespace()
+    try:
+        yield name
+    finally:
+        if request.node.stash.get(_CALL_FAILED, False):
+            keep_pod_logs(real_cluster, name, request.node.nodeid)
+        real_cluster.delete_namespace(name)
 
 
 # Where a failed test's pod logs are kept (the cluster's own directory goes with the cluster).

@@ -41,6 +41,11 @@ class ClusterTarget:
         self._core_api: Any = None
 
     @property
+    def real_node(self) -> Any | None:
+        """The real node (kubelet on containerd) of a local cluster that runs one, else None."""
+        return getattr(self.local, "real_node", None)
+
+    @property
     def is_local(self) -> bool:
         """Pods run on this machine's loopback addresses (no kube-proxy, no port-forward needed)."""
         return self.local is not None
@@ -122,9 +127,14 @@ class ClusterTarget:
     def service_url(self, namespace: str, service: str, port: int) -> Iterator[str]:
         """An http:// base URL reaching ``service:port`` from the test process.
 
-        Locally that is a ready selected pod's loopback address (there is no kube-proxy);
-        on a real cluster a ``kubectl port-forward`` runs for the duration.
+        On the real node that is the Service's ClusterIP (kube-proxy routes it from this host too);
+        with process pods a ready selected pod's loopback address (there is no kube-proxy);
+        on a remote cluster a ``kubectl port-forward`` runs for the duration.
         """
+        if self.real_node is not None:
+            svc = self.kubectl_json("get", "service", service, namespace=namespace)
+            yield f"http://{svc['spec']['clusterIP']}:{port}"
+            return
         if self.local is not None:
             deadline = time.monotonic() + 30
             while True:
@@ -176,6 +186,20 @@ class ClusterTarget:
         import shutil
 
         shutil.rmtree(self.cache_dir, ignore_errors=True)
+
+
+def open_real_node_target(timeout: float = 120.0) -> ClusterTarget:
+    """The real control plane with the real node (kubelet v1.37 on containerd, one fake GPU), its
+    images in the local registry (``python -m e2e.node.images``)."""
+    from .kube.local_cluster import KubeCluster
+    from .node import images, registry
+
+    kube = KubeCluster(node_capacity={"nvidia.com/gpu": "1"}, node="real").start(timeout)
+    image = images.chart_image()
+    if registry.manifest_digest(image) is None:
+        kube.stop()
+        raise RuntimeError(f"the local registry has no {image}; build it with: python -m e2e.node.images")
+    return ClusterTarget(kube.kubeconfig, kube, kubectl_path=kube.kubectl_path)
 
 
 def open_target() -> ClusterTarget:

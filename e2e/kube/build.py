@@ -23,6 +23,8 @@ from . import gomod
 
 KUBERNETES_VERSION = "v1.37.2"
 ETCD_VERSION = "v3.7.3"
+COREDNS_VERSION = "v1.15.0"
+REGISTRY_VERSION = "v3.1.2"
 HERE = Path(__file__).resolve().parent
 
 
@@ -47,12 +49,24 @@ CONTROL_PLANE = Module(
     {"kube-apiserver": "k8s.io/kubernetes/cmd/kube-apiserver",
      "kube-controller-manager": "k8s.io/kubernetes/cmd/kube-controller-manager",
      "kube-scheduler": "k8s.io/kubernetes/cmd/kube-scheduler",
-     "kubectl": "k8s.io/kubernetes/cmd/kubectl"},
+     "kubectl": "k8s.io/kubernetes/cmd/kubectl",
+     "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+     "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
+     # ours (controlplane/cmd/): nvidia.com/gpu capacity through the kubelet's device-plugin API
+     "fake-gpu-plugin": "pagedmodel.local/e2e/kube/controlplane/cmd/fake-gpu-plugin"},
     ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"))
 ETCD = Module(
     HERE / "etcd", "pagedmodel.local/e2e/kube/etcd", "go.etcd.io/etcd/server/v3",
     ETCD_VERSION, ETCD_VERSION, {"etcd": "go.etcd.io/etcd/server/v3"})
-MODULES = (ETCD, CONTROL_PLANE)
+# Cluster DNS (its `kubernetes` plugin answers *.svc.cluster.local from the API, as in every cluster).
+COREDNS = Module(
+    HERE / "coredns", "pagedmodel.local/e2e/kube/coredns", "github.com/coredns/coredns",
+    COREDNS_VERSION, COREDNS_VERSION, {"coredns": "github.com/coredns/coredns"})
+# The node pulls images from this local registry, as a real node pulls from its registry.
+REGISTRY = Module(
+    HERE / "registry", "pagedmodel.local/e2e/kube/registry", "github.com/distribution/distribution/v3",
+    REGISTRY_VERSION, REGISTRY_VERSION, {"registry": "github.com/distribution/distribution/v3/cmd/registry"})
+MODULES = (ETCD, CONTROL_PLANE, COREDNS, REGISTRY)
 
 
 def cache_root() -> Path:
@@ -96,9 +110,11 @@ def _run_go(args: list[str], cwd: Path, what: str, env: dict[str, str] | None = 
 
 
 def _digest(module: Module) -> str:
+    """go.mod, go.sum and our own Go sources in the module: what a binary's build depends on."""
     h = hashlib.sha256()
-    for name in ("go.mod", "go.sum"):
-        h.update((module.directory / name).read_bytes())
+    for path in [module.directory / "go.mod", module.directory / "go.sum",
+                 *sorted(module.directory.rglob("*.go"))]:
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -159,7 +175,8 @@ def regenerate() -> None:
                                   module.directory.parent, f"fetching {module.root}@{module.version}"))
         upstream = Path(info["GoMod"]).read_text()
         text = gomod.render(module.name, upstream, {module.root: module.version},
-                            module.replace_version, sorted(module.binaries.values()))
+                            module.replace_version,
+                            sorted(p for p in module.binaries.values() if not p.startswith(module.name + "/")))
         (module.directory / "go.mod").write_text(text)
         (module.directory / "go.sum").touch()
         _say(f"{module.directory.name}/go.mod: {len(gomod.local_replaces(upstream))} replaces from "

@@ -36,8 +36,11 @@ def kubeconfig(server: str, ca: Path, client: KeyPair, user: str, namespace: str
 class ControlPlane:
     """The four control-plane processes of one local cluster, files under ``workdir``."""
 
-    def __init__(self, workdir: Path, bin_dir: Path | None = None) -> None:
+    def __init__(self, workdir: Path, bin_dir: Path | None = None, advertise_address: str | None = None) -> None:
+        """``advertise_address``: the node-reachable address pods use (through the ``kubernetes`` Service);
+        None keeps the API server on loopback, for nodes whose pods are host processes."""
         self.workdir = Path(workdir)
+        self.advertise_address = advertise_address
         self.bin_dir = Path(bin_dir or build.bin_dir())
         missing = [n for n in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
                    if not (self.bin_dir / n).is_file()]
@@ -60,6 +63,10 @@ class ControlPlane:
         path.write_text(yaml.safe_dump(kubeconfig(self.url, self.ca.cert, pair, user)))
         path.chmod(0o600)
         return path
+
+    def client_kubeconfig(self, name: str, user: str, groups: tuple[str, ...] = ()) -> Path:
+        """A kubeconfig with a client certificate for ``user`` (in ``groups``), for one component."""
+        return self._kubeconfig(name, user, groups)
 
     def node_kubeconfig(self, node_name: str) -> Path:
         """The kubelet's identity: ``system:node:<name>`` in ``system:nodes`` (what the Node authorizer wants)."""
@@ -90,13 +97,14 @@ class ControlPlane:
             "--log-level=warn"], logs, f"{etcd_url}/health")
         serving = self.ca.issue("apiserver", "kube-apiserver", server_hosts=(
             "127.0.0.1", "localhost", "10.96.0.1", "kubernetes", "kubernetes.default",
-            "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"), client=False)
+            "kubernetes.default.svc", "kubernetes.default.svc.cluster.local",
+            *([self.advertise_address] if self.advertise_address else [])), client=False)
         kubelet_client = self.ca.issue("apiserver-kubelet-client", "kube-apiserver-kubelet-client",
                                        ("system:masters",))
         self.sa_keys = self.ca.service_account_keys()
         self.components["kube-apiserver"] = Component("kube-apiserver", [
             str(self.bin_dir / "kube-apiserver"), f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.api_port}",
+            *self._addresses(), f"--secure-port={self.api_port}",
             f"--tls-cert-file={serving.cert}", f"--tls-private-key-file={serving.key}",
             f"--client-ca-file={self.ca.cert}", "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=NodeRestriction", f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -105,9 +113,6 @@ class ControlPlane:
             f"--service-account-signing-key-file={self.sa_keys.key}",
             f"--kubelet-client-certificate={kubelet_client.cert}", f"--kubelet-client-key={kubelet_client.key}",
             "--kubelet-preferred-address-types=InternalIP", "--allow-privileged=true",
-            # the advertise address is loopback, which the kubernetes-Service endpoint reconciler refuses;
-            # pods reach the API through the kubeconfig our kubelet writes, not that Service
-            "--endpoint-reconciler-type=none",
             "--profiling=false", "--v=1"], logs, f"{self.url}/readyz", self._tls())
         self.components["kube-controller-manager"] = self._manager(
             "kube-controller-manager", "system:kube-controller-manager", logs, [
@@ -118,6 +123,14 @@ class ControlPlane:
                 # notice the new node's Ready status (and lift its not-ready taint) within a second
                 "--node-monitor-period=1s"])
         self.components["kube-scheduler"] = self._manager("kube-scheduler", "system:kube-scheduler", logs, [])
+
+    def _addresses(self) -> list[str]:
+        if self.advertise_address:
+            # Pods reach the API at 10.96.0.1 (kube-proxy) -> the advertised address, on the node's bridge.
+            return ["--bind-address=0.0.0.0", f"--advertise-address={self.advertise_address}"]
+        # Loopback, which the kubernetes-Service endpoint reconciler refuses: process pods reach the API
+        # through the kubeconfig their kubelet writes, not that Service.
+        return ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none"]
 
     def _manager(self, name: str, user: str, logs: Path, extra: list[str]) -> Component:
         config = self._kubeconfig(name, user)

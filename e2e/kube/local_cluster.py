@@ -27,6 +27,8 @@ from ..kubelet.kubelet import Kubelet
 from ..kubelet.log_server import LogServer
 from ..kubelet.quantity import parse_quantity
 from ..kubelet.remote_api import RemoteNodeApi
+from ..node import host
+from ..node.real_node import RealNode
 from . import build
 from .control_plane import ControlPlane
 
@@ -36,7 +38,9 @@ log = logging.getLogger("e2e.kube")
 class KubeCluster:
     def __init__(self, workdir: str | Path | None = None, *, node_capacity: dict[str, str] | None = None,
                  node_name: str = "local-node", restart_backoff_s: float = 1.0,
-                 bin_dir: Path | None = None) -> None:
+                 bin_dir: Path | None = None, node: str = "process") -> None:
+        """``node``: "real" runs the real kubelet on containerd (e2e/node/, root only); "process" our
+        process kubelet."""
         self.node_capacity = {"cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "0",
                               **(node_capacity or {})}
         for resource, amount in self.node_capacity.items():
@@ -50,7 +54,15 @@ class KubeCluster:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="pagedmodel-kube-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.control_plane = ControlPlane(self.workdir, bin_dir)
+        if node not in ("real", "process"):
+            raise ValueError(f"node must be 'real' or 'process', not {node!r}")
+        self.real_node: RealNode | None = None
+        if node == "real":
+            self.control_plane = ControlPlane(self.workdir, bin_dir, advertise_address=host.NODE_IP)
+            self.real_node = RealNode(self.workdir, self.control_plane, node_name, bin_dir,
+                                      gpus=int(parse_quantity(self.node_capacity["nvidia.com/gpu"])))
+        else:
+            self.control_plane = ControlPlane(self.workdir, bin_dir)
         self.kubeconfig = self.control_plane.admin_kubeconfig
         self.url = self.control_plane.url
         self.node_name = node_name
@@ -68,6 +80,15 @@ class KubeCluster:
     def start(self, timeout: float = 60.0) -> "KubeCluster":
         started = time.monotonic()
         self.control_plane.start(timeout)
+        if self.real_node is not None:
+            try:
+                self.real_node.start(started + timeout)
+            except BaseException:
+                self.control_plane.stop()
+                raise
+            self.startup_s = time.monotonic() - started
+            atexit.register(self.stop)
+            return self
         self._thread = threading.Thread(target=self._run, name="e2e-kubelet", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout) or self._error is not None:
@@ -84,6 +105,10 @@ class KubeCluster:
         if self._thread is not None:
             self._thread.join(timeout=60)
         self._loop = self._thread = None
+        if self.real_node is not None:
+            # No new pods get bound while the node drains (a Deployment would replace each one it ends).
+            self.control_plane.components["kube-scheduler"].stop()
+            self.real_node.stop()
         self.control_plane.stop()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)

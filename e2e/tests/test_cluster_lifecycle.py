@@ -66,7 +66,8 @@ def test_stop_ends_every_pod_process(local_node, tmp_path):
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGKILL])
 def test_cluster_up_command(local_node, tmp_path, stop_signal):
     workdir = tmp_path / "up"
-    proc = subprocess.Popen([sys.executable, "-m", "e2e.cluster", "up", "--workdir", str(workdir), "--gpus", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "e2e.cluster", "up", "--node", "process", "--workdir", str(workdir),
+                             "--gpus", "2"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         banner = {}
