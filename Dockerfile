@@ -44,9 +44,11 @@ COPY operator ./operator
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM runtime
-# The wheel comes in through a bind mount from the build stage: no layer keeps it.
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-deps /wheels/pagedmodel-*.whl
+# Our wheel is ~2 MB (the dependencies are in the runtime layer), so a COPY costs nothing, and its content
+# keys the layer cache: buildah does not key a RUN on what a bind mount from another stage holds, and a
+# code change left the old wheel installed in a rebuilt image.
+COPY --from=build /wheels /tmp/wheels
+RUN pip install --no-cache-dir --no-deps /tmp/wheels/pagedmodel-*.whl && rm -rf /tmp/wheels
 
 # The default model lives in the image, so `builtin://smollm2` needs no network and no writable disk.
 # Scratch (Triton/inductor caches, anything under XDG's cache) goes to /tmp, an emptyDir in the operator's

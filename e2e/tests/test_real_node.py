@@ -3,9 +3,11 @@ registry, with pod networking, Service ClusterIPs (kube-proxy), cluster DNS (Cor
 exec/logs/port-forward, cgroup memory limits and device-plugin GPUs."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from .helpers import wait_until
 pytestmark = pytest.mark.slow
 
 IMAGE = images.chart_image()
+REPO = Path(__file__).resolve().parents[2]
 # As the operator runs its pods: uid 1000, read-only root, only /tmp writable.
 LOCKED_DOWN = {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True, "readOnlyRootFilesystem": True,
                "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
@@ -87,6 +90,39 @@ def test_chart_image_runs_read_only_as_uid_1000(real_cluster: ClusterTarget, rea
     assert "serve" in logs and "operator" in logs, logs
     assert logs.strip().splitlines()[-1] == "1000", logs
     assert "WRITABLE" not in logs
+
+
+SOURCE_DIGESTS = """
+import hashlib, json, pathlib, pagedmodel
+root = pathlib.Path(pagedmodel.__file__).parent
+print(json.dumps({str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+                  for p in sorted(root.rglob('*.py')) if '__pycache__' not in p.parts}))
+"""
+
+
+def checkout_digests() -> dict[str, str]:
+    """What the wheel should install: pagedmodel/, with server/ and operator/ as its subpackages."""
+    out = {}
+    for folder, prefix in (("pagedmodel", ""), ("server", "server/"), ("operator", "operator/")):
+        base = REPO / folder
+        for path in sorted(base.rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                out[prefix + str(path.relative_to(base))] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return out
+
+
+def test_the_image_holds_this_checkout(real_cluster: ClusterTarget, real_namespace: str):
+    # Every module of the checkout, byte for byte: a module the wheel leaves out, or a stale image whose
+    # layer cache kept old code, fails here before any scenario runs on it.
+    apply(real_cluster, real_namespace, pod("sources", ["python3", "-c", SOURCE_DIGESTS], restart="Never"))
+    state = terminated(real_cluster, real_namespace, "sources")
+    logs = real_cluster.kubectl("logs", "sources", namespace=real_namespace).stdout
+    assert state["exitCode"] == 0, logs
+    installed, expected = json.loads(logs), checkout_digests()
+    missing = sorted(set(expected) - set(installed))
+    differing = sorted(p for p in set(expected) & set(installed) if expected[p] != installed[p])
+    assert not missing and not differing, (f"the image's package differs from the checkout (rebuild with "
+                                           f"python -m e2e.node.images): missing {missing}, differing {differing}")
 
 
 def test_services_dns_exec_logs_and_port_forward(real_cluster: ClusterTarget, real_namespace: str):
