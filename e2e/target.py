@@ -199,6 +199,11 @@ def open_real_node_target(timeout: float = 120.0) -> ClusterTarget:
     if registry.manifest_digest(image) is None:
         kube.stop()
         raise RuntimeError(f"the local registry has no {image}; build it with: python -m e2e.node.images")
+    try:
+        kube.real_node.containerd.pull(image)
+    except BaseException:
+        kube.stop()
+        raise
     return ClusterTarget(kube.kubeconfig, kube, kubectl_path=kube.kubectl_path)
 
 

@@ -104,6 +104,12 @@ class Containerd:
         return [ns["path"] for ns in (spec.get("linux") or {}).get("namespaces", [])
                 if ns.get("type") == "network" and ns.get("path", "").startswith("/var/run/netns/")]
 
+    def pull(self, image: str, timeout: float = 900) -> None:
+        """Pull ``image`` through the node's registry mirrors, as the kubelet would, so the node runs
+        what the registry holds now: a tag the node already has is not pulled again by the kubelet
+        (IfNotPresent), and an image rebuilt since would silently stay stale."""
+        self.ctr("images", "pull", "--hosts-dir", str(self.certs_dir), image, timeout=timeout)
+
     def image_digests(self) -> dict[str, str]:
         """Image name -> digest, as the node has them."""
         out = {}
