@@ -37,13 +37,7 @@ def real_cluster() -> Iterator[ClusterTarget]:
 
 @pytest.fixture
 def real_namespace(real_cluster: ClusterTarget, request: pytest.FixtureRequest) -> Iterator[str]:
-    name = real_cluster.new_namespace()
-    try:
-        yield name
-    finally:
-        if request.node.stash.get(_CALL_FAILED, False):
-            keep_pod_logs(real_cluster, name, request.node.nodeid)
-        real_cluster.delete_namespace(name)
+    yield from _test_namespace(real_cluster, request)
 
 
 # Where a failed test's pod logs are kept (the cluster's own directory goes with the cluster).
@@ -62,6 +56,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
 
 @pytest.fixture
 def namespace(cluster: ClusterTarget, request: pytest.FixtureRequest) -> Iterator[str]:
+    yield from _test_namespace(cluster, request)
+
+
+def _test_namespace(cluster: ClusterTarget, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test; a failed test's pod logs are kept before it is deleted."""
     name = cluster.new_namespace()
     try:
         yield name
@@ -100,5 +99,5 @@ def api_client(cluster: ClusterTarget) -> Any:
 @pytest.fixture
 def local_node(cluster: ClusterTarget) -> None:
     """The test reaches pod IPs from this process, or its pods run this machine's interpreter."""
-    if not cluster.is_local:
+    if cluster.local is None:
         pytest.skip("needs pods on this machine (a local cluster); not applicable to a remote cluster")

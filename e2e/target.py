@@ -47,8 +47,8 @@ class ClusterTarget:
 
     @property
     def is_local(self) -> bool:
-        """Pods run on this machine's loopback addresses (no kube-proxy, no port-forward needed)."""
-        return self.local is not None
+        """Pods are processes of this machine, on its loopback addresses (the process kubelet)."""
+        return self.local is not None and self.real_node is None
 
     def env(self) -> dict[str, str]:
         return dict(os.environ, KUBECONFIG=str(self.kubeconfig), KUBECACHEDIR=str(self.cache_dir))
@@ -212,13 +212,15 @@ def open_target() -> ClusterTarget:
     ``python -m e2e.kube.build``) with our kubelet as the node; with PAGEDMODEL_E2E_CLUSTER=real,
     the cluster KUBECONFIG names instead."""
     mode = os.environ.get(ENV_SWITCH, "local")
+    if mode == "node":   # the local cluster with the real node (kubelet on containerd), issue #46
+        return open_real_node_target()
     if mode == "real":
         kubeconfig = os.environ.get("KUBECONFIG")
         if not kubeconfig:
             raise RuntimeError(f"{ENV_SWITCH}=real needs KUBECONFIG pointing at the cluster to test")
         return ClusterTarget(Path(kubeconfig.split(os.pathsep)[0]), None)
     if mode != "local":
-        raise RuntimeError(f"{ENV_SWITCH} must be 'local' or 'real', not {mode!r}")
+        raise RuntimeError(f"{ENV_SWITCH} must be 'local', 'node' or 'real', not {mode!r}")
     from .kube.local_cluster import KubeCluster
 
     kube = KubeCluster(node_capacity={"nvidia.com/gpu": "1"}).start()

@@ -37,7 +37,7 @@ def spec() -> dict[str, Any]:
         # the GPU candidates give the tuner a block size to recommend from the sequence lengths
         "engine": {"maxNumSeqs": 4, "maxModelLen": KV_TOKENS, "kvCacheMemoryBytes": KV_BYTES, "swapSpaceGiB": 0,
                    "device": "cpu", "dtype": "float32", "blockSize": 16},
-        "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"},
+        "resources": {"gpus": 0, "cpu": "500m", "memory": "2Gi"},   # two engines + the router fit 2 cores
         "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetKVCacheUsage": 0.3,
                         "targetWaitingPerReplica": 2, "intervalSeconds": INTERVAL_S,
                         "stableWindowSeconds": STABLE_WINDOW_S, "scaleDownStabilizationSeconds": SCALE_DOWN_S},

@@ -15,7 +15,7 @@ def test_real_mode_requires_kubeconfig(monkeypatch):
 
 def test_unknown_mode_is_rejected(monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "staging")
-    with pytest.raises(RuntimeError, match="must be 'local' or 'real'"):
+    with pytest.raises(RuntimeError, match="must be 'local', 'node' or 'real'"):
         open_target()
 
 
