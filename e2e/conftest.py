@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 
 from e2e.kubelet import process
-from e2e.target import ClusterTarget, open_real_node_target, open_target
+from e2e.target import ENV_SWITCH, ClusterTarget, open_real_node_target, open_target
 
 
 @pytest.fixture(scope="session")
@@ -25,9 +25,12 @@ def cluster() -> Iterator[ClusterTarget]:
 
 
 @pytest.fixture(scope="session")
-def real_cluster() -> Iterator[ClusterTarget]:
+def real_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterTarget]:
     """The real node: kubelet v1.37.2 on containerd, pods of the chart's image from the local
     registry. Missing parts (root, containerd, binaries, the image) fail the test with what to do."""
+    if os.environ.get(ENV_SWITCH) == "node":   # the session's cluster is the real node already (one per machine)
+        yield request.getfixturevalue("cluster")
+        return
     target = open_real_node_target()
     try:
         yield target
