@@ -97,6 +97,11 @@ def clear_leftover_pods() -> None:
                 os.kill(int(pid), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+    for shim in _orphaned_shims():
+        try:
+            os.kill(shim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     links = _ip("-j", "link", "show", "master", BRIDGE, check=False)
     for link in json.loads(links.stdout or "[]") if links.returncode == 0 else []:
         _ip("link", "delete", link["ifname"], check=False)
@@ -107,3 +112,20 @@ def remove_network_namespaces(paths: list[str]) -> None:
     for path in paths:
         subprocess.run(["umount", path], capture_output=True)
         Path(path).unlink(missing_ok=True)
+
+
+def _orphaned_shims() -> list[int]:
+    """runc shims of a real node: they outlive a killed run. Called before this node's containerd starts,
+    so every one found (one real node per machine) belongs to a run that is over."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"containerd-shim-runc-v2") or b"-address" not in argv:
+            continue
+        address = argv[argv.index(b"-address") + 1].decode(errors="replace")
+        if address.endswith("/node/containerd/containerd.sock"):
+            found.append(int(cmdline.parent.name))
+    return found
