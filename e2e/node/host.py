@@ -102,6 +102,11 @@ def clear_leftover_pods() -> None:
             os.kill(shim, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # Container root filesystems, shm and volume mounts of a run killed before it could unmount them.
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for mount in sorted((m for m in mounts if "/node/containerd/state/" in m or "/node/kubelet/root" in m),
+                        key=len, reverse=True):
+        subprocess.run(["umount", "-l", mount], capture_output=True)
     links = _ip("-j", "link", "show", "master", BRIDGE, check=False)
     for link in json.loads(links.stdout or "[]") if links.returncode == 0 else []:
         _ip("link", "delete", link["ifname"], check=False)
