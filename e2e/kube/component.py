@@ -38,21 +38,20 @@ def free_port() -> int:
 class Component:
     def __init__(self, name: str, argv: list[str], log_dir: Path, health_url: str,
                  ssl_context: ssl.SSLContext | None = None, *,
-                 health_check: Callable[[], bool] | None = None, env: dict[str, str] | None = None) -> None:
+                 health_check: Callable[[], bool] | None = None) -> None:
         self.name = name
         self.argv = argv
         self.log_file = Path(log_dir) / f"{name}.log"
         self.health_url = health_url   # or, for a daemon without an HTTP health endpoint, health_check
         self.ssl_context = ssl_context
         self.health_check = health_check
-        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env=self.env,
+                                         start_new_session=True,
                                          preexec_fn=functools.partial(_die_with_parent, os.getpid()))
 
     def healthy(self) -> bool:

@@ -110,18 +110,7 @@ class Containerd:
         (IfNotPresent), and an image rebuilt since would silently stay stale."""
         self.ctr("images", "pull", "--hosts-dir", str(self.certs_dir), image, timeout=timeout)
 
-    def image_digests(self) -> dict[str, str]:
-        """Image name -> digest, as the node has them."""
-        out = {}
-        for line in self.ctr("images", "ls").stdout.splitlines()[1:]:
-            parts = line.split()
-            if len(parts) >= 3:
-                out[parts[0]] = parts[2]
-        return out
-
     def stop(self) -> None:
         self.component.stop(grace_s=10.0)
-        # runc's shims outlive containerd by design; any left belong to this cluster's pods.
-        subprocess.run(["pkill", "-KILL", "-f", f"containerd-shim-runc-v2 -namespace {NAMESPACE} .*-address {self.socket}"],
-                       capture_output=True)
+        host.kill(host.runc_shims(str(self.socket)))   # any left belong to this cluster's pods
         shutil.rmtree(self.dir / "state", ignore_errors=True)

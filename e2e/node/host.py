@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 BRIDGE = "pm-cni0"
 POD_SUBNET = "10.244.0.0/24"
@@ -90,23 +91,13 @@ def clear_leftover_pods() -> None:
     """What a killed run left on the machine (one real node per machine, so all of it is ours): pod
     processes in the kubelet's cgroups, and pod interfaces on the bridge. A leftover interface still
     holds its pod's address; the next pod given that address would be unreachable."""
-    for procs in Path("/sys/fs/cgroup/pids/kubepods").rglob("cgroup.procs") if Path(
-            "/sys/fs/cgroup/pids/kubepods").is_dir() else []:
-        for pid in procs.read_text().split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
-    for shim in _orphaned_shims():
-        try:
-            os.kill(shim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kubepods = Path("/sys/fs/cgroup/pids/kubepods")
+    kill([int(pid) for procs in (kubepods.rglob("cgroup.procs") if kubepods.is_dir() else [])
+          for pid in procs.read_text().split()])
+    # Called before this node's containerd starts: every real-node shim found belongs to a run that is over.
+    kill(runc_shims("/node/containerd/containerd.sock"))
     # Container root filesystems, shm and volume mounts of a run killed before it could unmount them.
-    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
-    for mount in sorted((m for m in mounts if "/node/containerd/state/" in m or "/node/kubelet/root" in m),
-                        key=len, reverse=True):
-        subprocess.run(["umount", "-l", mount], capture_output=True)
+    unmount_where(lambda m: "/node/containerd/state/" in m or "/node/kubelet/root" in m)
     links = _ip("-j", "link", "show", "master", BRIDGE, check=False)
     for link in json.loads(links.stdout or "[]") if links.returncode == 0 else []:
         _ip("link", "delete", link["ifname"], check=False)
@@ -119,9 +110,24 @@ def remove_network_namespaces(paths: list[str]) -> None:
         Path(path).unlink(missing_ok=True)
 
 
-def _orphaned_shims() -> list[int]:
-    """runc shims of a real node: they outlive a killed run. Called before this node's containerd starts,
-    so every one found (one real node per machine) belongs to a run that is over."""
+def kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def unmount_where(wanted: Callable[[str], bool]) -> None:
+    """Lazily unmount every mount point ``wanted`` selects, innermost first."""
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for mount in sorted(filter(wanted, mounts), key=len, reverse=True):
+        subprocess.run(["umount", "-l", mount], capture_output=True)
+
+
+def runc_shims(address_suffix: str) -> list[int]:
+    """Process ids of the runc shims serving a containerd whose socket path ends with ``address_suffix``
+    (shims outlive containerd by design)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -131,6 +137,6 @@ def _orphaned_shims() -> list[int]:
         if not argv or not argv[0].endswith(b"containerd-shim-runc-v2") or b"-address" not in argv:
             continue
         address = argv[argv.index(b"-address") + 1].decode(errors="replace")
-        if address.endswith("/node/containerd/containerd.sock"):
+        if address.endswith(address_suffix):
             found.append(int(cmdline.parent.name))
     return found

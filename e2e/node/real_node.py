@@ -110,7 +110,8 @@ class RealNode:
             self.containerd.forget_containers()
         self.containerd.stop()
         self.registry.stop()
-        _unmount_under(self.workdir)
+        prefix = str(self.workdir.resolve()) + "/"
+        host.unmount_where(lambda mount: mount.startswith(prefix))   # volume mounts the kubelet left
 
 
     def _drain(self, timeout: float = 30.0) -> None:
@@ -125,10 +126,3 @@ class RealNode:
         while time.monotonic() < deadline and self.containerd.ctr("containers", "ls", "-q", check=False).stdout.strip():
             time.sleep(0.3)
 
-
-def _unmount_under(directory: Path) -> None:
-    """The kubelet's volume mounts (tmpfs for tokens and secrets) that a stopped kubelet left behind."""
-    prefix = str(directory.resolve()) + "/"
-    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
-    for mount in sorted((m for m in mounts if m.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", mount], capture_output=True)

@@ -6,7 +6,6 @@ is there for every later run.
 """
 from __future__ import annotations
 
-import json
 import os
 import urllib.error
 import urllib.request
@@ -72,8 +71,3 @@ def hosts_toml(registry_host: str) -> str:
     """containerd's mirror configuration for one registry host: pull and resolve from the local one."""
     return "\n".join([f'server = "https://{registry_host}"', "",
                       f'[host."{URL}"]', '  capabilities = ["pull", "resolve"]', "  skip_verify = true", ""])
-
-
-def catalog() -> list[str]:
-    with urllib.request.urlopen(f"{URL}/v2/_catalog", timeout=10) as resp:
-        return json.load(resp).get("repositories", [])
