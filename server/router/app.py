@@ -304,9 +304,13 @@ class RouterApp:
     def _pick(self, prompt: str, exclude: set[str] = frozenset(),  # type: ignore[assignment]
               chains: PromptChains | None = None, model: str | None = None) -> Upstream | None:
         # Adapter affinity first (only upstreams serving `model`, resident ones preferred), then a retry
-        # avoids the upstreams it already tried where it can, then the strategy scores what is left.
+        # avoids the upstreams it already tried, then the strategy scores what is left.
         affinity = choose(model, [u.view() for u in self.pool.available()], self.catalog.servings())
-        views = [v for v in affinity.candidates if v.url not in exclude] or affinity.candidates
+        views = [v for v in affinity.candidates if v.url not in exclude]
+        if not views and affinity.candidates:
+            if self._untried_elsewhere(exclude, model):
+                return None   # wait for a busy replica it has not failed on, not the one that just failed it
+            views = affinity.candidates   # it has been everywhere: the same replica again beats a refusal
         if self.prefix_cache is not None:
             views = self.prefix_cache.annotate(views, chains)
         view = self.router.pick(views, prompt)
@@ -317,6 +321,11 @@ class RouterApp:
         if self.prefix_cache is not None:
             self.prefix_cache.routed(view.url, chains)
         return self.pool.upstreams.get(view.url)
+
+    def _untried_elsewhere(self, exclude: set[str], model: str | None) -> bool:
+        """Some replica serving ``model`` and not in ``exclude`` takes requests, though none is free now."""
+        others = [u.view() for u in self.pool.routable() if u.url not in exclude]
+        return bool(others) and bool(choose(model, others, self.catalog.servings()).candidates)
 
     def _dispatch(self) -> None:
         """Hand free upstream slots to queued requests, most urgent first."""
@@ -347,6 +356,8 @@ class RouterApp:
             up = self._pick(pending.prompt, pending.exclude, pending.chains, pending.model)
             if up is not None:
                 return ticket, up
+            if pending.exclude:   # a retry waits for a replica it has not tried: others may go where it failed
+                continue
             if pending.model is None:   # nothing is free at all
                 break
             blocked.add(pending.model)

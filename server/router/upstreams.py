@@ -130,6 +130,10 @@ class UpstreamPool:
         """Upstreams a new request may go to now."""
         return [u for u in self.upstreams.values() if not u.ejected and not u.draining and u.has_capacity()]
 
+    def routable(self) -> list[Upstream]:
+        """Upstreams that take requests, free or not (not ejected, not draining)."""
+        return [u for u in self.upstreams.values() if not u.ejected and not u.draining]
+
     def any_ready(self) -> bool:
         return any(not u.ejected and not u.draining for u in self.upstreams.values())
 

@@ -198,6 +198,30 @@ def test_connection_failure_retries_elsewhere_and_ejects_the_dead_upstream():
     run(main())
 
 
+def test_a_retry_waits_for_a_busy_replica_instead_of_returning_to_the_one_that_failed_it():
+    """An engine dies while its peer is full: a request that failed on the dead one must wait for a slot
+    on the live one. Sending it back to the dead one, free but not yet ejected, would spend every attempt
+    there and answer 502 (the e2e OOM scenario met exactly that)."""
+    async def main():
+        live, dead = FakeUpstream("live"), FakeUpstream("dead")
+        live.hold = asyncio.Event()
+        await started(live)   # `dead` never listens: connection refused
+        async with running_router(upstreams=[live.url, dead.url], strategy="round-robin",
+                                  max_inflight_per_upstream=1, failures_to_eject=10, scrape_interval=60,
+                                  queue_timeout=20) as (app, base), aiohttp.ClientSession() as s:
+            first = asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": "first"}))
+            await eventually(lambda: len(live.served) == 1)          # the live replica is now full
+            second = asyncio.create_task(s.post(base + "/v1/completions", json={"prompt": "second"}))
+            await eventually(lambda: len(app.queue) == 1)             # failed on `dead`, waiting for `live`
+            assert not app.pool.upstreams[dead.url].ejected
+            live.hold.set()
+            for reply in await asyncio.wait_for(asyncio.gather(first, second), 10):
+                assert reply.status == 200 and (await reply.json())["upstream"] == "live"
+                reply.release()
+        await live.stop()
+    run(main())
+
+
 def test_kill_one_of_three_midrun_then_readmit():
     async def main():
         ups = [FakeUpstream(n) for n in "abc"]
