@@ -1,5 +1,5 @@
-"""End-to-end harness: a real Kubernetes control plane built from the Go modules (e2e/kube/) and our
-process kubelet as its node (e2e/kubelet/).
+"""End-to-end harness: a real Kubernetes control plane built from the Go modules (e2e/kube/) and a real
+node, the kubelet on containerd running the chart's image (e2e/node/).
 
-See ``e2e/README.md`` for what is real and what our kubelet does not do.
+See ``e2e/README.md`` for what runs, what it costs and how to read a pod's logs.
 """

@@ -1,11 +1,10 @@
-"""A local Kubernetes cluster: the real control plane (e2e/kube/) with our kubelet as the node.
+"""A local Kubernetes cluster: the real control plane (e2e/kube/) and the real node, the kubelet v1.37
+on containerd (e2e/node/; root only, one per machine).
 
-    python -m e2e.cluster up [--node real|process] [--gpus N] [--cpu N] [--memory SIZE] [--workdir DIR]
+    python -m e2e.cluster up [--gpus N] [--workdir DIR]
 
 starts it in the foreground, prints the kubeconfig path and the node's pod addresses, and stops
-everything (pods and control plane) on Ctrl-C. The node is real by default: the kubelet v1.37 on
-containerd (e2e/node/, root only); ``--node process`` runs our process kubelet instead. Tests use :class:`LocalCluster` (an alias of
-:class:`e2e.kube.local_cluster.KubeCluster`).
+everything (pods and control plane) on Ctrl-C. Tests use the same :class:`e2e.kube.local_cluster.KubeCluster`.
 """
 from __future__ import annotations
 
@@ -17,17 +16,12 @@ import threading
 
 from .kube.control_plane import BinariesMissing
 from .kube.local_cluster import KubeCluster
-from .kubelet.quantity import parse_quantity
 from .node.host import BRIDGE, POD_SUBNET, NodeMissing
-
-LocalCluster = KubeCluster
 
 
 def _up(args: argparse.Namespace) -> int:
-    capacity = {"cpu": args.cpu, "memory": args.memory, "nvidia.com/gpu": str(args.gpus)}
     try:
-        cluster = KubeCluster(args.workdir, node_capacity=capacity, node=args.node,
-                              node_name="pagedmodel-node" if args.node == "real" else "local-node").start()
+        cluster = KubeCluster(args.workdir, gpus=args.gpus).start()
     except (BinariesMissing, NodeMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -35,12 +29,9 @@ def _up(args: argparse.Namespace) -> int:
           f"(up in {cluster.startup_s:.1f}s; kubectl: {cluster.kubectl_path})")
     print(f"API server:     {cluster.url}")
     print(f"kubeconfig:     {cluster.kubeconfig}")
-    if args.node == "real":
-        print(f"pod addresses:  {POD_SUBNET} on bridge {BRIDGE} (node {cluster.node_name}: kubelet on containerd)")
-    else:
-        print(f"pod addresses:  {cluster.pod_network}.2-254 (node {cluster.node_name})")
+    print(f"pod addresses:  {POD_SUBNET} on bridge {BRIDGE} (node {cluster.node_name}: kubelet on containerd)")
     print(f"try:            KUBECONFIG={cluster.kubeconfig} {cluster.kubectl_path} get nodes")
-    print("Ctrl-C stops the cluster and every pod process.", flush=True)
+    print("Ctrl-C stops the cluster and every pod.", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -56,24 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start the control plane and the kubelet in the foreground")
     up.add_argument("--workdir", help="where the kubeconfig, logs and pod files go (default: a temporary directory)")
-    up.add_argument("--node", choices=("real", "process"), default="real",
-                    help="real: the kubelet on containerd (default); process: our process kubelet")
-    up.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu devices of the node (default 0; the real "
-                    "node registers them through its fake device plugin)")
-    up.add_argument("--cpu", default="16", help="cpu capacity of a process node (default 16; a real node has "
-                    "this machine's)")
-    up.add_argument("--memory", default="64Gi", help="memory capacity of a process node (default 64Gi)")
+    up.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu devices of the node (default 0), "
+                    "registered through its fake device plugin")
     up.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.gpus < 0:
         parser.error("--gpus must be >= 0")
-    for flag, value in (("--cpu", args.cpu), ("--memory", args.memory)):
-        try:
-            parse_quantity(value)
-        except ValueError as exc:
-            parser.error(f"{flag}: {exc}")
     return _up(args)
 
 

@@ -8,39 +8,26 @@ from typing import Any, Iterator
 
 import pytest
 
-from e2e.kubelet import process
-from e2e.target import ENV_SWITCH, ClusterTarget, open_real_node_target, open_target
+from e2e.target import ClusterTarget, open_target
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that start a real node of their own go first: a machine holds one node, and the session's
+    cluster, once started, stays up until the session ends."""
+    items.sort(key=lambda item: item.get_closest_marker("own_node") is None)   # stable: order kept otherwise
 
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[ClusterTarget]:
-    """etcd, kube-apiserver, kube-controller-manager, kube-scheduler (built by ``python -m e2e.kube.build``;
-    missing binaries fail the test with that command, never skip it) and our kubelet as the node."""
+    """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the real node: the kubelet v1.37.2
+    on containerd, kube-proxy, CoreDNS, pods of the chart's image from the local registry. One per session
+    (one per machine). Missing parts (root, containerd, binaries, the image) fail the test with what to
+    do, never skip it."""
     target = open_target()
     try:
         yield target
     finally:
         target.close()
-        process.kill_all(grace_s=1.0)   # belt and braces: nothing we started outlives the session
-
-
-@pytest.fixture(scope="session")
-def real_cluster(request: pytest.FixtureRequest) -> Iterator[ClusterTarget]:
-    """The real node: kubelet v1.37.2 on containerd, pods of the chart's image from the local
-    registry. Missing parts (root, containerd, binaries, the image) fail the test with what to do."""
-    if os.environ.get(ENV_SWITCH) == "node":   # the session's cluster is the real node already (one per machine)
-        yield request.getfixturevalue("cluster")
-        return
-    target = open_real_node_target()
-    try:
-        yield target
-    finally:
-        target.close()
-
-
-@pytest.fixture
-def real_namespace(real_cluster: ClusterTarget, request: pytest.FixtureRequest) -> Iterator[str]:
-    yield from _test_namespace(real_cluster, request)
 
 
 # Where a failed test's pod logs are kept (the cluster's own directory goes with the cluster).
@@ -59,10 +46,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
 
 @pytest.fixture
 def namespace(cluster: ClusterTarget, request: pytest.FixtureRequest) -> Iterator[str]:
-    yield from _test_namespace(cluster, request)
-
-
-def _test_namespace(cluster: ClusterTarget, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace for one test; a failed test's pod logs are kept before it is deleted."""
     name = cluster.new_namespace()
     try:
@@ -101,6 +84,6 @@ def api_client(cluster: ClusterTarget) -> Any:
 
 @pytest.fixture
 def local_node(cluster: ClusterTarget) -> None:
-    """The test reaches pod IPs from this process, or its pods run this machine's interpreter."""
+    """The test reaches pod IPs from this process, or controls the cluster's processes and files."""
     if cluster.local is None:
         pytest.skip("needs pods on this machine (a local cluster); not applicable to a remote cluster")

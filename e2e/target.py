@@ -1,6 +1,6 @@
-"""Where e2e scenarios run: a local cluster on the real control plane (default), or the cluster
-``KUBECONFIG`` names when ``PAGEDMODEL_E2E_CLUSTER=real``. The ``cluster`` fixture
-(e2e/conftest.py) is the only switch.
+"""Where e2e scenarios run: a local cluster, the real control plane and the real node (kubelet on
+containerd, pods of the chart's image; default), or the cluster ``KUBECONFIG`` names when
+``PAGEDMODEL_E2E_CLUSTER=real``. The ``cluster`` fixture (e2e/conftest.py) is the only switch.
 """
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
-
-
 
 ENV_SWITCH = "PAGEDMODEL_E2E_CLUSTER"
 
@@ -42,13 +40,8 @@ class ClusterTarget:
 
     @property
     def real_node(self) -> Any | None:
-        """The real node (kubelet on containerd) of a local cluster that runs one, else None."""
+        """The node (kubelet on containerd) of the local cluster; None for a cluster named by KUBECONFIG."""
         return getattr(self.local, "real_node", None)
-
-    @property
-    def is_local(self) -> bool:
-        """Pods are processes of this machine, on its loopback addresses (the process kubelet)."""
-        return self.local is not None and self.real_node is None
 
     def env(self) -> dict[str, str]:
         return dict(os.environ, KUBECONFIG=str(self.kubeconfig), KUBECACHEDIR=str(self.cache_dir))
@@ -125,55 +118,18 @@ class ClusterTarget:
 
     @contextlib.contextmanager
     def service_url(self, namespace: str, service: str, port: int) -> Iterator[str]:
-        """An http:// base URL reaching ``service:port`` from the test process.
-
-        On the real node that is the Service's ClusterIP (kube-proxy routes it from this host too);
-        with process pods a ready selected pod's loopback address (there is no kube-proxy);
-        on a remote cluster a ``kubectl port-forward`` runs for the duration.
-        """
-        if self.real_node is not None:
+        """An http:// base URL reaching ``service:port`` from the test process: on the local cluster the
+        Service's ClusterIP (kube-proxy routes it from this host too), elsewhere a ``kubectl
+        port-forward`` for the duration."""
+        if self.local is not None:
             svc = self.kubectl_json("get", "service", service, namespace=namespace)
             yield f"http://{svc['spec']['clusterIP']}:{port}"
             return
-        if self.local is not None:
-            deadline = time.monotonic() + 30
-            while True:
-                found = self._ready_endpoint(namespace, service, port)
-                if found is not None:
-                    yield found
-                    return
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"service {namespace}/{service} has no ready endpoint for port {port}")
-                time.sleep(0.3)
         with self.kubectl_stream("port-forward", f"service/{service}", f":{port}", namespace=namespace) as proc:
             assert proc.stdout is not None
             line = proc.stdout.readline()   # "Forwarding from 127.0.0.1:NNNNN -> 8080"
             local = line.split("->")[0].strip().rsplit(":", 1)[-1]
             yield f"http://127.0.0.1:{local}"
-
-    def _ready_endpoint(self, namespace: str, service: str, port: int) -> str | None:
-        """What kube-proxy would pick: a ready pod the Service selects, at the port's targetPort.
-
-        Resolved from the pods, not the EndpointSlices: kube-apiserver refuses loopback addresses in
-        EndpointSlices and Endpoints, so with our pods on 127.x the endpoint controllers write none.
-        """
-        svc = self.kubectl_json("get", "service", service, namespace=namespace)
-        spec_port = next((p for p in svc["spec"]["ports"] if p["port"] == port), None)
-        if spec_port is None:
-            raise AssertionError(f"service {namespace}/{service} has no port {port}")
-        selector = ",".join(f"{k}={v}" for k, v in (svc["spec"].get("selector") or {}).items())
-        target = spec_port.get("targetPort", port)
-        for pod in self.kubectl_json("get", "pods", "-l", selector, namespace=namespace)["items"]:
-            status = pod.get("status") or {}
-            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
-            if not ready or pod["metadata"].get("deletionTimestamp") or not status.get("podIP"):
-                continue
-            number = target if isinstance(target, int) else next(
-                (p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []
-                 if p.get("name") == target), None)
-            if number is not None:
-                return f"http://{status['podIP']}:{number}"
-        return None
 
     def close(self) -> None:
         for client in self._clients:
@@ -188,13 +144,14 @@ class ClusterTarget:
         shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
-def open_real_node_target(timeout: float = 120.0) -> ClusterTarget:
-    """The real control plane with the real node (kubelet v1.37 on containerd, one fake GPU), its
-    images in the local registry (``python -m e2e.node.images``)."""
+def open_local_target(timeout: float = 120.0) -> ClusterTarget:
+    """The real control plane with the real node (kubelet v1.37 on containerd, one fake GPU; both built by
+    ``python -m e2e.kube.build``), the chart's image pulled from the local registry (``python -m
+    e2e.node.images``) before any test, so the node never runs an earlier build it still holds."""
     from .kube.local_cluster import KubeCluster
     from .node import images, registry
 
-    kube = KubeCluster(node_capacity={"nvidia.com/gpu": "1"}, node="real").start(timeout)
+    kube = KubeCluster(gpus=1).start(timeout)
     image = images.chart_image()
     if registry.manifest_digest(image) is None:
         kube.stop()
@@ -208,20 +165,14 @@ def open_real_node_target(timeout: float = 120.0) -> ClusterTarget:
 
 
 def open_target() -> ClusterTarget:
-    """etcd + kube-apiserver + kube-controller-manager + kube-scheduler (built by
-    ``python -m e2e.kube.build``) with our kubelet as the node; with PAGEDMODEL_E2E_CLUSTER=real,
-    the cluster KUBECONFIG names instead."""
+    """The local cluster (:func:`open_local_target`); with PAGEDMODEL_E2E_CLUSTER=real, the cluster
+    KUBECONFIG names instead."""
     mode = os.environ.get(ENV_SWITCH, "local")
-    if mode == "node":   # the local cluster with the real node (kubelet on containerd), issue #46
-        return open_real_node_target()
+    if mode == "local":
+        return open_local_target()
     if mode == "real":
         kubeconfig = os.environ.get("KUBECONFIG")
         if not kubeconfig:
             raise RuntimeError(f"{ENV_SWITCH}=real needs KUBECONFIG pointing at the cluster to test")
         return ClusterTarget(Path(kubeconfig.split(os.pathsep)[0]), None)
-    if mode != "local":
-        raise RuntimeError(f"{ENV_SWITCH} must be 'local', 'node' or 'real', not {mode!r}")
-    from .kube.local_cluster import KubeCluster
-
-    kube = KubeCluster(node_capacity={"nvidia.com/gpu": "1"}).start()
-    return ClusterTarget(kube.kubeconfig, kube, kubectl_path=kube.kubectl_path)
+    raise RuntimeError(f"{ENV_SWITCH} must be 'local' or 'real', not {mode!r}")

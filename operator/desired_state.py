@@ -52,7 +52,7 @@ class Observed:
     router_enabled: whether the operator deploys `pagedmodel router` (--router); without it the public
     Service selects the engines directly and the router Deployment is kept at 0 replicas.
     bind_host: what engines and routers listen on: 0.0.0.0 on real clusters (kubectl port-forward dials
-    127.0.0.1 inside the pod), "$(POD_IP)" where pods share one network namespace (the e2e kubelet).
+    127.0.0.1 inside the pod), "$(POD_IP)" where pods share one network namespace (hostNetwork pods).
     external_autoscaler: an HPA scales the PagedModel through its scale subresource, so spec.replicas
     (what it writes) is the count, whatever spec.autoscaling says.
     """

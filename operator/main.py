@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deploy `pagedmodel router` in front of the engines (auto, the default, is enabled)")
     parser.add_argument("--pod-bind", choices=["all", "pod-ip"], default="all",
                         help="engines and routers listen on 0.0.0.0 (all) or only on their pod IP (pod-ip: for "
-                             "nodes whose pods share a network namespace, like the e2e kubelet)")
+                             "pods that share the host's network namespace, e.g. hostNetwork)")
     parser.add_argument("--liveness", metavar="URL", default=None,
                         help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="PORT",

@@ -109,6 +109,17 @@ class Containerd:
         what the registry holds now: a tag the node already has is not pulled again by the kubelet
         (IfNotPresent), and an image rebuilt since would silently stay stale."""
         self.ctr("images", "pull", "--hosts-dir", str(self.certs_dir), image, timeout=timeout)
+        self.forget_untagged_images()
+
+    def forget_untagged_images(self) -> None:
+        """Images no tag names any more, with their layers and unpacked snapshots. A tag pulled again moves
+        to the new build, but the CRI's store keeps the old one by digest and ID: 6 GB a build of the
+        chart's image, on every code change, until the disk is full."""
+        rows = [line.split() for line in self.ctr("images", "ls").stdout.splitlines()[1:] if line.strip()]
+        tagged = {row[2] for row in rows if "@" not in row[0] and not row[0].startswith("sha256:")}
+        stale = [row[0] for row in rows if row[2] not in tagged]
+        if stale:
+            self.ctr("images", "rm", "--sync", *stale, timeout=300)
 
     def stop(self) -> None:
         self.component.stop(grace_s=10.0)

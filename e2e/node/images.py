@@ -139,7 +139,9 @@ def build_project() -> str:
 
 
 def prune() -> None:
-    """Layers no tag uses any more (each rebuild leaves the old project layers behind)."""
+    """Layers no tag uses any more (each rebuild leaves the old project layers behind), and the working
+    containers of builds that did not finish (killed, or out of disk), which hold their images."""
+    buildah("rm", "--all")
     buildah("rmi", "--prune")
 
 
@@ -169,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
             shutil.rmtree(Path(tmp) / "logs", ignore_errors=True)
+        registry.collect_garbage(Path(tmp))   # the registry, like buildah, keeps only what a tag names
     return 0
 
 

@@ -7,6 +7,7 @@ is there for every later run.
 from __future__ import annotations
 
 import os
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -36,6 +37,16 @@ def registry_component(workdir: Path) -> Component:
     storage_dir().mkdir(parents=True, exist_ok=True)
     return Component("registry", [str(build.bin_dir() / "registry"), "serve", str(config)],
                      workdir / "logs", f"{URL}/v2/")
+
+
+def collect_garbage(workdir: Path) -> None:
+    """Delete the manifests no tag names and the blobs nothing references (each push of a rebuilt tag
+    leaves the old build's behind). The registry must be stopped."""
+    config = workdir / "registry.yaml"
+    proc = subprocess.run([str(build.bin_dir() / "registry"), "garbage-collect", "--delete-untagged", str(config)],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"registry garbage-collect failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
 
 
 def repository(image: str) -> tuple[str, str]:

@@ -7,9 +7,13 @@ import helm_python as helm
 import pytest
 import yaml
 
+from e2e.node import images
+
 from .helpers import wait_until
 
 CHART = Path(__file__).parent / "charts" / "demo"
+# Any image with python3 serves the demo; the node pulls from the local registry, which holds the chart's.
+IMAGE = images.chart_image()
 
 
 def test_render_and_lint():
@@ -32,7 +36,7 @@ def helm_config(cluster, namespace):
 
 
 def test_install_upgrade_uninstall(cluster, namespace, helm_config):
-    release = helm_config.install(str(CHART), "demo", {"message": "first"}, namespace=namespace, timeout=120,
+    release = helm_config.install(str(CHART), "demo", {"message": "first", "image": IMAGE}, namespace=namespace, timeout=120,
                                   wait="watcher")
     assert release["status"] == "deployed" and release["revision"] == 1
     cm = cluster.kubectl_json("get", "configmap", "demo-config", namespace=namespace)
@@ -42,7 +46,7 @@ def test_install_upgrade_uninstall(cluster, namespace, helm_config):
     secrets = cluster.kubectl_json("get", "secrets", "-l", "owner=helm,name=demo", namespace=namespace)["items"]
     assert [s["metadata"]["labels"]["status"] for s in secrets] == ["deployed"]
 
-    upgraded = helm_config.upgrade(str(CHART), "demo", {"message": "second", "replicaCount": 2},
+    upgraded = helm_config.upgrade(str(CHART), "demo", {"message": "second", "replicaCount": 2, "image": IMAGE},
                                    namespace=namespace, timeout=120, wait="watcher")
     assert upgraded["revision"] == 2 and upgraded["status"] == "deployed"
     assert cluster.kubectl_json("get", "configmap", "demo-config", namespace=namespace)["data"]["message"] == "second"

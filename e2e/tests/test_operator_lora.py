@@ -1,7 +1,9 @@
 """LoRA adapters through the operator, end to end (issue #17 item 4).
 
 A PagedModel with two adapters (PEFT directories made by peft on SmolLM2-135M, random non-zero weights)
-runs two engines (`pagedmodel serve` on CPU, float32) under a real `pagedmodel operator`. Requests to each
+runs two engines (`pagedmodel serve` in the chart's image on the real node, CPU, float32) under a real
+`pagedmodel operator`. The adapters reach the pods as users ship them: on a PersistentVolumeClaim
+(`pvc://adapters/NAME`), here bound to a hostPath PersistentVolume over the directory peft wrote. Requests to each
 adapter's name through the model's Service, and to every engine pod, give the offline engine's greedy
 text for that adapter (`LLM(enable_lora=True)` + `LoRARequest`). Adding a third adapter to the spec makes
 it servable on every engine with the pods' UIDs, restart counts and the Deployment's template unchanged;
@@ -11,6 +13,7 @@ The CRD's CEL rules for spec.adapters are checked by the real API server.
 from __future__ import annotations
 
 import gc
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,10 +60,35 @@ def offline(adapter_dirs) -> dict[str | None, str]:
     return out
 
 
+CLAIM = "adapters"
+
+
+@pytest.fixture
+def adapter_claim(cluster, namespace, adapter_dirs) -> str:
+    """The PVC ``adapters`` in the test's namespace, bound to a hostPath PV over the adapters' directory
+    (readable by the engines' uid 1000)."""
+    root = next(iter(adapter_dirs.values())).parent
+    subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
+    volume = f"adapters-{namespace}"
+    objects = [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                  "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(root), "type": "Directory"},
+                  "claimRef": {"namespace": namespace, "name": CLAIM}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CLAIM, "namespace": namespace},
+         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": volume,
+                  "resources": {"requests": {"storage": "1Gi"}}}}]
+    cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(objects))
+    wait_until(lambda: cluster.kubectl_json("get", "pvc", CLAIM, namespace=namespace)["status"].get("phase") == "Bound",
+               timeout=60, what="the adapters' claim Bound")
+    yield CLAIM
+    cluster.kubectl("delete", "pv", volume, "--wait=false", check=False)
+
+
 def manifest(adapters: dict[str, Path]) -> str:
     spec = {
         "model": {"source": "builtin://smollm2", "servedName": "smollm2"},
-        "adapters": [{"name": n, "source": f"file://{p}"} for n, p in adapters.items()],
+        "adapters": [{"name": n, "source": f"pvc://{CLAIM}/{p.name}"} for n, p in adapters.items()],
         "engine": {"maxNumSeqs": 4, "maxModelLen": 256, "kvCacheMemoryBytes": 16000000, "swapSpaceGiB": 0,
                    "device": "cpu", "dtype": "float32", "maxLoras": 4, "maxLoraRank": 8},
         "resources": {"gpus": 0, "cpu": "1", "memory": "2Gi"},
@@ -105,7 +133,8 @@ def identity(pods: list[dict[str, Any]]) -> dict[str, tuple[str, int]]:
 
 
 def test_adapters_served_through_the_service_and_added_without_restarts(cluster, namespace, pagedmodel_crd,
-                                                                         local_node, adapter_dirs, offline, tmp_path):
+                                                                         local_node, adapter_dirs, adapter_claim,
+                                                                         offline, tmp_path):
     first_two = {n: adapter_dirs[n] for n in ("sql", "chat")}
     with operator(cluster, namespace, tmp_path / "operator.log"):
         cluster.kubectl("apply", "-f", "-", stdin=manifest(first_two), namespace=namespace)
@@ -152,7 +181,7 @@ def test_adapters_served_through_the_service_and_added_without_restarts(cluster,
         assert any(r == "AdapterLoaded" and m.startswith("adapter math loaded on ") for r, m in reasons), reasons
 
         # An adapter that cannot load: a Warning and a status message; the others keep serving.
-        broken = {**adapter_dirs, "broken": tmp_path / "no-such-adapter"}
+        broken = {**adapter_dirs, "broken": Path("no-such-adapter")}
         cluster.kubectl("apply", "-f", "-", stdin=manifest(broken), namespace=namespace)
 
         def load_failed():

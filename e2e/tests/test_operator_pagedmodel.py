@@ -2,7 +2,7 @@
 an operator restart mid-rollout, and deletion.
 
 The operator runs as a real `pagedmodel operator` process watching the test's namespace; its engine pods
-are real `pagedmodel serve` processes on the local kubelet (SmolLM2-135M on CPU, tiny KV cache).
+run `pagedmodel serve` in the chart's image on the real node (SmolLM2-135M on CPU, tiny KV cache).
 """
 from __future__ import annotations
 
@@ -42,9 +42,7 @@ def operator(cluster, namespace: str, log: Path, router: str = "disabled") -> It
     env = dict(cluster.env(), OMP_NUM_THREADS="1")
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pagedmodel.cli", "operator", "-n", namespace,
-                                 "--status-interval", "1", "--router", router,
-                                 # local pods share the host's network: each must bind only its own address
-                                 "--pod-bind", "pod-ip" if cluster.is_local else "all"],
+                                 "--status-interval", "1", "--router", router],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield proc

@@ -4,7 +4,6 @@ updating every kind of child, and granting the router Role, which RBAC only allo
 those permissions), and ``kubectl auth can-i`` shows what it must not do."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import helm_python as helm
@@ -30,9 +29,8 @@ def other_namespace(cluster):
 @pytest.fixture
 def release(cluster, namespace):
     config = helm.Config(kubeconfig_path=str(cluster.kubeconfig), namespace=namespace)
-    values = {"watchNamespaces": [namespace], "statusInterval": 1, "router": "enabled", "podBind": "pod-ip",
-              "extraEnv": [{"name": "OMP_NUM_THREADS", "value": "1"},
-                           {"name": "PATH", "value": f"{Path(sys.executable).parent}:/usr/bin:/bin"}]}
+    values = {"watchNamespaces": [namespace], "statusInterval": 1, "router": "enabled",
+              "extraEnv": [{"name": "OMP_NUM_THREADS", "value": "1"}]}
     config.install(str(CHART), RELEASE, values, namespace=namespace, timeout=120, wait="watcher")
     yield config
     config.uninstall(RELEASE, ignore_not_found=True)

@@ -66,10 +66,7 @@ def manifest() -> str:
 
 @contextlib.contextmanager
 def pod_url(cluster, namespace: str, pod: dict[str, Any]) -> Iterator[str]:
-    """Base URL of one engine pod: its IP locally; `kubectl port-forward` on a real cluster."""
-    if cluster.is_local:
-        yield f"http://{pod['status']['podIP']}:{ENGINE_PORT}"
-        return
+    """Base URL of one engine pod through `kubectl port-forward` (the kubelet's streaming API)."""
     name = pod["metadata"]["name"]
     with cluster.kubectl_stream("port-forward", f"pod/{name}", f":{ENGINE_PORT}", namespace=namespace) as proc:
         assert proc.stdout is not None

@@ -72,20 +72,20 @@ def answers(url: str) -> bool:
         return False
 
 
-def test_the_node_is_the_real_kubelet_on_containerd(real_cluster: ClusterTarget):
-    wide = real_cluster.kubectl("get", "nodes", "-o", "wide").stdout
+def test_the_node_is_the_real_kubelet_on_containerd(cluster: ClusterTarget):
+    wide = cluster.kubectl("get", "nodes", "-o", "wide").stdout
     row = wide.splitlines()[1].split()
     assert row[1] == "Ready", wide
     assert re.fullmatch(r"v1\.37\.\d+", row[4]), wide
     assert row[-1].startswith("containerd://"), wide
 
 
-def test_chart_image_runs_read_only_as_uid_1000(real_cluster: ClusterTarget, real_namespace: str):
+def test_chart_image_runs_read_only_as_uid_1000(cluster: ClusterTarget, namespace: str):
     # `pagedmodel --help` as the operator's pods run; then the user, and that the root really is read-only.
     script = "pagedmodel --help && id -u && if touch /opt/probe 2>/dev/null; then echo WRITABLE; fi; touch /tmp/ok"
-    apply(real_cluster, real_namespace, pod("help", ["sh", "-c", script], restart="Never"))
-    state = terminated(real_cluster, real_namespace, "help")
-    logs = real_cluster.kubectl("logs", "help", namespace=real_namespace).stdout
+    apply(cluster, namespace, pod("help", ["sh", "-c", script], restart="Never"))
+    state = terminated(cluster, namespace, "help")
+    logs = cluster.kubectl("logs", "help", namespace=namespace).stdout
     assert state["exitCode"] == 0, (state, logs)
     assert "serve" in logs and "operator" in logs, logs
     assert logs.strip().splitlines()[-1] == "1000", logs
@@ -111,12 +111,12 @@ def checkout_digests() -> dict[str, str]:
     return out
 
 
-def test_the_image_holds_this_checkout(real_cluster: ClusterTarget, real_namespace: str):
+def test_the_image_holds_this_checkout(cluster: ClusterTarget, namespace: str):
     # Every module of the checkout, byte for byte: a module the wheel leaves out, or a stale image whose
     # layer cache kept old code, fails here before any scenario runs on it.
-    apply(real_cluster, real_namespace, pod("sources", ["python3", "-c", SOURCE_DIGESTS], restart="Never"))
-    state = terminated(real_cluster, real_namespace, "sources")
-    logs = real_cluster.kubectl("logs", "sources", namespace=real_namespace).stdout
+    apply(cluster, namespace, pod("sources", ["python3", "-c", SOURCE_DIGESTS], restart="Never"))
+    state = terminated(cluster, namespace, "sources")
+    logs = cluster.kubectl("logs", "sources", namespace=namespace).stdout
     assert state["exitCode"] == 0, logs
     installed, expected = json.loads(logs), checkout_digests()
     missing = sorted(set(expected) - set(installed))
@@ -125,14 +125,14 @@ def test_the_image_holds_this_checkout(real_cluster: ClusterTarget, real_namespa
                                            f"python -m e2e.node.images): missing {missing}, differing {differing}")
 
 
-def test_services_dns_exec_logs_and_port_forward(real_cluster: ClusterTarget, real_namespace: str):
-    ns = real_namespace
+def test_services_dns_exec_logs_and_port_forward(cluster: ClusterTarget, namespace: str):
+    ns = namespace
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web-svc"},
                "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}}
-    apply(real_cluster, ns, pod("web", WEB_SERVER), service)
-    status = wait_ready(real_cluster, ns, "web")
+    apply(cluster, ns, pod("web", WEB_SERVER), service)
+    status = wait_ready(cluster, ns, "web")
     assert status["podIP"].startswith("10.244."), status
-    cluster_ip = real_cluster.kubectl_json("get", "service", "web-svc", namespace=ns)["spec"]["clusterIP"]
+    cluster_ip = cluster.kubectl_json("get", "service", "web-svc", namespace=ns)["spec"]["clusterIP"]
 
     # kube-proxy: the ClusterIP answers from this host once it has synced the Service's EndpointSlice
     # (until then its rules reject the connection).
@@ -142,7 +142,7 @@ def test_services_dns_exec_logs_and_port_forward(real_cluster: ClusterTarget, re
     resolve = ("import socket, sys; print(socket.gethostbyname('web-svc'), "
                "socket.gethostbyname(f'web-svc.{sys.argv[1]}.svc.cluster.local'), "
                "socket.gethostbyname('kubernetes.default'))")
-    out = real_cluster.kubectl("exec", "web", "--", "python3", "-c", resolve, ns, namespace=ns).stdout.split()
+    out = cluster.kubectl("exec", "web", "--", "python3", "-c", resolve, ns, namespace=ns).stdout.split()
     assert out == [cluster_ip, cluster_ip, "10.96.0.1"], out
 
     # The pod reaches the API server as its ServiceAccount, through the kubernetes Service.
@@ -151,43 +151,43 @@ def test_services_dns_exec_logs_and_port_forward(real_cluster: ClusterTarget, re
               "req = urllib.request.Request('https://kubernetes.default.svc/version', "
               "headers={'Authorization': 'Bearer ' + open(d + 'token').read()}); "
               "print(json.load(urllib.request.urlopen(req, context=ctx))['gitVersion'])")
-    version = real_cluster.kubectl("exec", "web", "--", "python3", "-c", whoami, namespace=ns).stdout.strip()
+    version = cluster.kubectl("exec", "web", "--", "python3", "-c", whoami, namespace=ns).stdout.strip()
     assert version.startswith("v1.37."), version
 
     # kubectl port-forward into the pod, and the request shows in kubectl logs.
-    with real_cluster.kubectl_stream("port-forward", "pod/web", ":8080", namespace=ns) as proc:
+    with cluster.kubectl_stream("port-forward", "pod/web", ":8080", namespace=ns) as proc:
         assert proc.stdout is not None
         line = proc.stdout.readline()   # "Forwarding from 127.0.0.1:NNNNN -> 8080"
         port = int(line.split("->")[0].strip().rsplit(":", 1)[-1])
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/?via=port-forward", timeout=10) as resp:
             assert resp.status == 200
-    wait_until(lambda: "via=port-forward" in real_cluster.kubectl("logs", "web", namespace=ns).stdout,
+    wait_until(lambda: "via=port-forward" in cluster.kubectl("logs", "web", namespace=ns).stdout,
                timeout=10, what="the forwarded request in kubectl logs")
 
 
-def test_memory_limit_is_enforced_by_the_kernel(real_cluster: ClusterTarget, real_namespace: str):
+def test_memory_limit_is_enforced_by_the_kernel(cluster: ClusterTarget, namespace: str):
     hog = ["python3", "-c", "x = bytearray(400 * 2**20); print('allocated', flush=True)"]
-    apply(real_cluster, real_namespace, pod("hog", hog, restart="Never",
+    apply(cluster, namespace, pod("hog", hog, restart="Never",
                                             resources={"limits": {"memory": "128Mi", "cpu": "1"}}))
-    state = terminated(real_cluster, real_namespace, "hog")
+    state = terminated(cluster, namespace, "hog")
     assert (state["reason"], state["exitCode"]) == ("OOMKilled", 137), state
 
 
-def test_gpus_come_from_the_device_plugin(real_cluster: ClusterTarget, real_namespace: str):
-    ns = real_namespace
-    node = real_cluster.kubectl_json("get", "nodes")["items"][0]
+def test_gpus_come_from_the_device_plugin(cluster: ClusterTarget, namespace: str):
+    ns = namespace
+    node = cluster.kubectl_json("get", "nodes")["items"][0]
     assert node["status"]["allocatable"]["nvidia.com/gpu"] == "1"
     gpu = {"limits": {"nvidia.com/gpu": "1"}}
-    apply(real_cluster, ns, pod("gpu-a", WEB_SERVER, resources=gpu))
-    wait_ready(real_cluster, ns, "gpu-a")
-    env = real_cluster.kubectl("exec", "gpu-a", "--", "printenv", "CUDA_VISIBLE_DEVICES", namespace=ns).stdout
+    apply(cluster, ns, pod("gpu-a", WEB_SERVER, resources=gpu))
+    wait_ready(cluster, ns, "gpu-a")
+    env = cluster.kubectl("exec", "gpu-a", "--", "printenv", "CUDA_VISIBLE_DEVICES", namespace=ns).stdout
     assert env.strip() == "0"
     # The one device is taken: a second claimant stays Pending, as on a full GPU node.
-    apply(real_cluster, ns, pod("gpu-b", WEB_SERVER, resources=gpu))
+    apply(cluster, ns, pod("gpu-b", WEB_SERVER, resources=gpu))
 
     def unschedulable():
-        events = real_cluster.kubectl("get", "events", "--field-selector", "involvedObject.name=gpu-b",
+        events = cluster.kubectl("get", "events", "--field-selector", "involvedObject.name=gpu-b",
                                       namespace=ns).stdout
         return "Insufficient nvidia.com/gpu" in events
     wait_until(unschedulable, timeout=30, what="gpu-b to be refused for lack of GPUs")
-    assert pod_status(real_cluster, ns, "gpu-b")["phase"] == "Pending"
+    assert pod_status(cluster, ns, "gpu-b")["phase"] == "Pending"

@@ -15,7 +15,7 @@ def test_real_mode_requires_kubeconfig(monkeypatch):
 
 def test_unknown_mode_is_rejected(monkeypatch):
     monkeypatch.setenv(ENV_SWITCH, "staging")
-    with pytest.raises(RuntimeError, match="must be 'local', 'node' or 'real'"):
+    with pytest.raises(RuntimeError, match="must be 'local' or 'real'"):
         open_target()
 
 
@@ -26,6 +26,6 @@ def test_real_mode_starts_no_local_cluster(monkeypatch, tmp_path):
     monkeypatch.setenv("KUBECONFIG", f"{kubeconfig}:/elsewhere")
     target = open_target()
     try:
-        assert not target.is_local and target.kubeconfig == kubeconfig
+        assert target.local is None and target.real_node is None and target.kubeconfig == kubeconfig
     finally:
         target.close()

@@ -32,9 +32,10 @@ PROMPT = "The capital of France is"
 ROLLOUT_ARGS = ["--log-level", "info"]   # the default value: a new pod template, the same behaviour
 
 
-def manifest() -> str:
+def manifest(name: str = NAME) -> str:
+    """examples/cpu-tiny.yaml with two engines behind the router (test_engine_pods.py runs it too)."""
     pm = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
-    pm["metadata"]["name"] = NAME
+    pm["metadata"]["name"] = name
     pm["spec"]["replicas"] = 2
     # The queue holds a retried request while the only replica left is busy; long, as the CPUs are shared.
     pm["spec"]["router"] = {"replicas": 1, "maxQueueLength": 64, "queueTimeoutSeconds": 180}

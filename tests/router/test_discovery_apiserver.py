@@ -10,7 +10,7 @@ import pytest
 
 from kubernetes import client, config  # noqa: E402
 
-from e2e.kube.local_cluster import KubeCluster  # noqa: E402
+from e2e.kube.control_plane import ControlPlane  # noqa: E402
 from pagedmodel.server.router.discovery import PodDiscovery  # noqa: E402
 
 
@@ -21,9 +21,10 @@ def _wait(pred, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def test_discovery_follows_pods_through_the_api():
-    with KubeCluster() as cluster:
-        api = client.CoreV1Api(config.new_client_from_config(config_file=str(cluster.kubeconfig)))
+def test_discovery_follows_pods_through_the_api(tmp_path):
+    control_plane = ControlPlane(tmp_path).start()   # no node: nothing runs the pods
+    try:
+        api = client.CoreV1Api(config.new_client_from_config(config_file=str(control_plane.admin_kubeconfig)))
         ns = "router-disco"
         api.create_namespace({"metadata": {"name": ns}})
         # Pods are admitted once the ServiceAccount controller made the namespace's "default" account.
@@ -58,3 +59,5 @@ def test_discovery_follows_pods_through_the_api():
             _wait(lambda: seen[-1] == ["http://127.0.0.12:8000"])
         finally:
             disco.stop()
+    finally:
+        control_plane.stop()
