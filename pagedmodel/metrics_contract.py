@@ -83,6 +83,8 @@ GENERATION_TOKENS = _engine("vllm:generation_tokens", "counter", "Tokens generat
 PREFIX_CACHE_QUERIES = _engine("vllm:prefix_cache_queries", "counter",
                                "Prompt tokens looked up in the prefix cache.")
 PREFIX_CACHE_HITS = _engine("vllm:prefix_cache_hits", "counter", "Prompt tokens found in the prefix cache.")
+PROMPT_TOKENS_CACHED = _engine("vllm:prompt_tokens_cached", "counter",
+                               "Prompt tokens served from the prefix cache (this engine has no external tier).")
 NUM_PREEMPTIONS = _engine("vllm:num_preemptions", "counter", "Sequence preemptions (swap or recompute).")
 NUM_SWAP_OUTS = _engine("pagedmodel:num_swap_outs", "counter",
                         "Sequences whose KV blocks were swapped out to CPU.")
@@ -105,6 +107,12 @@ PREFILL_TIME = _engine("vllm:request_prefill_time_seconds", "histogram",
                         buckets=REQUEST_BUCKETS)
 DECODE_TIME = _engine("vllm:request_decode_time_seconds", "histogram",
                       "Time from the first generated token to the last (the decode phase).", buckets=REQUEST_BUCKETS)
+INFERENCE_TIME = _engine("vllm:request_inference_time_seconds", "histogram",
+                         "Time from first scheduling to the last token (prefill plus decode).",
+                         buckets=REQUEST_BUCKETS)
+REQUEST_TPOT = _engine("vllm:request_time_per_output_token_seconds", "histogram",
+                       "Per finished request: its decode time over its generated tokens after the first.",
+                       buckets=ITL_BUCKETS)
 ITERATION_TOKENS = _engine("vllm:iteration_tokens_total", "histogram",
                            "Tokens processed (prefilled plus generated) per engine step.",
                            buckets=ITERATION_TOKEN_BUCKETS)

@@ -48,6 +48,7 @@ _COUNTERS = (
     (mc.GENERATION_TOKENS, "generation_tokens_total"),
     (mc.PREFIX_CACHE_QUERIES, "prefix_cache_queries_total"),
     (mc.PREFIX_CACHE_HITS, "prefix_cache_hits_total"),
+    (mc.PROMPT_TOKENS_CACHED, "prefix_cache_hits_total"),   # vLLM's sum over cache tiers; we have one
     (mc.NUM_PREEMPTIONS, "num_preemptions_total"),
     (mc.NUM_SWAP_OUTS, "num_swap_outs_total"),
 )
@@ -140,6 +141,8 @@ class ServerMetrics:
         self.generation_tokens = mc.register(mc.REQUEST_GENERATION_TOKENS, self.registry)
         self.prefill_time = mc.register(mc.PREFILL_TIME, self.registry)
         self.decode_time = mc.register(mc.DECODE_TIME, self.registry)
+        self.inference_time = mc.register(mc.INFERENCE_TIME, self.registry)
+        self.request_tpot = mc.register(mc.REQUEST_TPOT, self.registry)
         self.iteration_tokens = mc.register(mc.ITERATION_TOKENS, self.registry)
         self.params_n = mc.register(mc.REQUEST_PARAMS_N, self.registry)
         self.params_max_tokens = mc.register(mc.REQUEST_PARAMS_MAX_TOKENS, self.registry)
@@ -164,12 +167,18 @@ class ServerMetrics:
             self.iteration_tokens.labels(self.model_name).observe(total - self._tokens_seen)
         self._tokens_seen = total
 
-    def _observe_phases(self, metrics: Any) -> None:
+    def _observe_phases(self, metrics: Any, generated: int) -> None:
+        """Prefill, decode and their sum; the per-request time per output token (of the longest sample)."""
+        m = self.model_name
         first, sched, last = metrics.first_token_time, metrics.first_scheduled_time, metrics.last_token_time
         if first is not None and sched is not None:
-            self.prefill_time.labels(self.model_name).observe(max(0.0, first - sched))
+            self.prefill_time.labels(m).observe(max(0.0, first - sched))
         if first is not None and last is not None:
-            self.decode_time.labels(self.model_name).observe(max(0.0, last - first))
+            self.decode_time.labels(m).observe(max(0.0, last - first))
+            if generated > 1:
+                self.request_tpot.labels(m).observe(max(0.0, last - first) / (generated - 1))
+        if sched is not None and last is not None:
+            self.inference_time.labels(m).observe(max(0.0, last - sched))
 
     def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None:
         m = self.model_name
@@ -194,7 +203,7 @@ class ServerMetrics:
                         self.queue_time.labels(m).observe(max(0.0, q))
                     self.prompt_tokens.labels(m).observe(len(out.prompt_token_ids or ()))
                     self.generation_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
-                    self._observe_phases(out.metrics)
+                    self._observe_phases(out.metrics, max((len(o.token_ids) for o in out.outputs), default=0))
                     # One count per request, as vLLM does; n samples of one request share its reason.
                     reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
                     self.request_success.labels(m, reason).inc()

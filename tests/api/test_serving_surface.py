@@ -98,6 +98,14 @@ def test_vllm_metrics_cache_config_phases_iteration_tokens_and_params(api_server
     assert grew("vllm:request_prefill_time_seconds_count") == 1
     assert grew("vllm:request_decode_time_seconds_count") == 1
     assert grew("vllm:request_decode_time_seconds_sum") > 0
+    # inference = prefill + decode of the one request; its time per output token = decode / (7 - 1)
+    assert grew("vllm:request_inference_time_seconds_count") == 1
+    phases = grew("vllm:request_prefill_time_seconds_sum") + grew("vllm:request_decode_time_seconds_sum")
+    assert abs(grew("vllm:request_inference_time_seconds_sum") - phases) < 1e-6
+    assert grew("vllm:request_time_per_output_token_seconds_count") == 1
+    assert abs(grew("vllm:request_time_per_output_token_seconds_sum")
+               - grew("vllm:request_decode_time_seconds_sum") / 6) < 1e-6
+    assert after["vllm:prompt_tokens_cached_total"] == after["vllm:prefix_cache_hits_total"]
     # 4 prompt tokens once, then 2 samples x 7 tokens: at least 7 steps, 18 tokens in all
     assert grew("vllm:iteration_tokens_total_count") >= 7
     assert grew("vllm:iteration_tokens_total_sum") == 4 + 14
