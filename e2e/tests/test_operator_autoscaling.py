@@ -190,3 +190,47 @@ def test_kv_pressure_scales_up_and_back_down_and_the_tuner_recommends(cluster, n
             assert any(e["reason"] == "EngineArgsRecommended" and "blockSize=32" in e["message"]
                        for e in events(cluster, namespace))
     assert "Traceback" not in log.read_text(errors="replace"), log.read_text(errors="replace")[-4000:]
+
+
+ZERO = "from-zero"
+
+
+@pytest.mark.slow
+def test_scale_from_zero_holds_the_first_requests_until_an_engine_serves_them(cluster, namespace, pagedmodel_crd,
+                                                                             tmp_path):
+    """minReplicas 0: the model starts with no engine; the first requests wait in the router's queue, the
+    operator sees them there and scales 0 -> 1, and every one of them is answered by the new engine."""
+    spec = {"model": {"source": "builtin://smollm2", "servedName": "smollm2"},
+            "engine": {"maxNumSeqs": 4, "maxModelLen": 256, "kvCacheMemoryBytes": 16000000, "swapSpaceGiB": 0,
+                       "device": "cpu"},
+            "resources": {"gpus": 0, "cpu": "500m", "memory": "2Gi"},
+            "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 1, "intervalSeconds": INTERVAL_S},
+            # long enough for a pod to start and load the model on two shared cores
+            "router": {"replicas": 1, "queueTimeoutSeconds": 300}}
+    doc = {"apiVersion": "pagedmodel.io/v1alpha1", "kind": "PagedModel", "metadata": {"name": ZERO}, "spec": spec}
+    with operator(cluster, namespace, tmp_path / "operator.log", router="enabled"):
+        cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(doc), namespace=namespace)
+        wait_until(lambda: (pm_json(cluster, namespace, ZERO).get("status") or {}).get("ready") == "0/0",
+                   timeout=120, interval=1, what="PagedModel at zero engines")
+        wait_until(lambda: (cluster.kubectl_json("get", "deployment", f"{ZERO}-router", namespace=namespace)
+                            .get("status") or {}).get("readyReplicas") == 1, timeout=120, interval=1,
+                   what="router ready")
+        assert cluster.kubectl_json("get", "deployment", f"{ZERO}-engine", namespace=namespace)["spec"]["replicas"] == 0
+        with cluster.service_url(namespace, ZERO, 80) as url:
+            assert httpx.get(f"{url}/health", timeout=10).json()["upstreams"] == 0
+            codes: list[int] = []
+
+            def ask() -> None:
+                reply = httpx.post(f"{url}/v1/completions", timeout=300, json={
+                    "model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
+                codes.append(reply.status_code)
+            clients = [threading.Thread(target=ask) for _ in range(3)]
+            for client in clients:
+                client.start()
+            up = wait_until(lambda: (lambda s: s if (s.get("lastScale") or {}).get("to") == 1 else None)(
+                pm_json(cluster, namespace, ZERO).get("status") or {}), timeout=120, interval=0.5,
+                what="the operator scales 0 -> 1 for the queued requests")
+            for client in clients:
+                client.join(timeout=330)
+    assert up["lastScale"]["from"] == 0 and "queued at the router" in up["lastScale"]["reason"], up["lastScale"]
+    assert codes == [200, 200, 200], codes
