@@ -22,7 +22,7 @@ from .node.host import BRIDGE, POD_SUBNET, NodeMissing
 def _up(args: argparse.Namespace) -> int:
     try:
         cluster = KubeCluster(args.workdir, gpus=args.gpus).start()
-    except (BinariesMissing, NodeMissing) as exc:
+    except (BinariesMissing, NodeMissing, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"control plane:  etcd, kube-apiserver, kube-controller-manager, kube-scheduler "

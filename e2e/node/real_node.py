@@ -23,6 +23,9 @@ from .kube_proxy import kube_proxy_component
 from .kubelet import kubelet_component
 
 NODE_BINARIES = ("kubelet", "kube-proxy", "coredns", "registry", "kubectl", "fake-gpu-plugin")
+# A unix socket's path holds at most 107 bytes; the kubelet binds the longest one, a temporary name beside
+# its pod-resources socket, about this much below its root directory.
+_LONGEST_SOCKET_SUFFIX = len("/pod-resources/0123456789")
 
 
 class RealNode:
@@ -34,7 +37,11 @@ class RealNode:
         if missing:
             raise BinariesMissing(f"node binaries missing in {self.bin_dir}: {', '.join(missing)}; "
                                   "build them with: python -m e2e.kube.build")
-        self.workdir = Path(workdir) / "node"
+        self.workdir = Path(workdir).resolve() / "node"
+        longest = len(str(self.workdir / "kubelet" / "root")) + _LONGEST_SOCKET_SUFFIX
+        if longest > 107:
+            raise ValueError(f"the work directory {workdir} is too long for the node's unix sockets ({longest} > 107 "
+                             "bytes; the kubelet would fail to bind them): choose a shorter one")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.control_plane = control_plane
         self.node_name = node_name

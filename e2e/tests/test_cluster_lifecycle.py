@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -44,8 +46,9 @@ def _pids_running(marker: str) -> list[int]:
 
 @pytest.mark.own_node
 @pytest.mark.slow
-def test_cluster_up_runs_a_real_node_and_ctrl_c_ends_its_pods(tmp_path):
-    workdir = tmp_path / "up"
+def test_cluster_up_runs_a_real_node_and_ctrl_c_ends_its_pods():
+    # Not pytest's tmp_path: from its 100th session on, its paths are too long for the node's unix sockets.
+    workdir = Path(tempfile.mkdtemp(prefix="pm-up-"))
     marker = f"sleeper-{uuid.uuid4().hex[:8]}"
     sleeper = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sleeper"},
                "spec": {"terminationGracePeriodSeconds": 1, "containers": [
@@ -54,11 +57,13 @@ def test_cluster_up_runs_a_real_node_and_ctrl_c_ends_its_pods(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "e2e.cluster", "up", "--workdir", str(workdir), "--gpus", "2"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        banner = {}
+        banner: dict[str, str] = {}
+        lines: list[str] = []
         assert proc.stdout is not None
         while "pod addresses" not in banner:
             line = proc.stdout.readline()
-            assert line, f"cluster up exited early (rc={proc.poll()})"
+            assert line, f"cluster up exited early (rc={proc.wait()}):\n{''.join(lines)}"
+            lines.append(line)
             key, _, value = line.partition(":")
             banner[key.strip()] = value.strip()
         kubeconfig = Path(banner["kubeconfig"])
@@ -77,11 +82,15 @@ def test_cluster_up_runs_a_real_node_and_ctrl_c_ends_its_pods(tmp_path):
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=90)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
-def test_bad_cluster_settings_are_refused():
+def test_bad_cluster_settings_are_refused(tmp_path):
     with pytest.raises(ValueError, match="gpus must be >= 0"):
         KubeCluster(gpus=-1)
+    deep = tmp_path / ("d" * 60)
+    with pytest.raises(ValueError, match="too long for the node's unix sockets"):
+        KubeCluster(deep)
 
 
 def test_cluster_up_rejects_bad_flags():
