@@ -123,13 +123,34 @@ class ClusterTarget:
         port-forward`` for the duration."""
         if self.local is not None:
             svc = self.kubectl_json("get", "service", service, namespace=namespace)
-            yield f"http://{svc['spec']['clusterIP']}:{port}"
+            address = (svc["spec"]["clusterIP"], port)
+            self._wait_routed(namespace, service, address)
+            yield f"http://{address[0]}:{port}"
             return
         with self.kubectl_stream("port-forward", f"service/{service}", f":{port}", namespace=namespace) as proc:
             assert proc.stdout is not None
             line = proc.stdout.readline()   # "Forwarding from 127.0.0.1:NNNNN -> 8080"
             local = line.split("->")[0].strip().rsplit(":", 1)[-1]
             yield f"http://127.0.0.1:{local}"
+
+    def _wait_routed(self, namespace: str, service: str, address: tuple[str, int], timeout: float = 60.0) -> None:
+        """Until the ClusterIP accepts a connection. A Deployment counts a pod ready before the EndpointSlice
+        controller and kube-proxy have put it behind the Service, so a client arriving in that gap is refused,
+        as it would be on any cluster."""
+        import socket
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(address, timeout=5).close()
+                return
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    slices = self.kubectl("get", "endpointslices", "-l", f"kubernetes.io/service-name={service}",
+                                          "-o", "wide", namespace=namespace, check=False).stdout
+                    raise RuntimeError(f"service {namespace}/{service} at {address[0]}:{address[1]} still refuses "
+                                       f"connections after {timeout:.0f} s ({err}); its endpoints:\n{slices}") from err
+                time.sleep(0.2)
 
     def close(self) -> None:
         for client in self._clients:
