@@ -21,6 +21,8 @@ logger = logging.getLogger("pagedmodel.server.api")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagedmodel.server.engine.args import EngineArgs
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` names it (the same as --model)")
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -91,6 +93,14 @@ def api_key_from(flag: str | None, environ: dict[str, str]) -> str | None:
     return flag or environ.get("PAGEDMODEL_API_KEY") or environ.get("VLLM_API_KEY") or None
 
 
+def model_from_args(args: argparse.Namespace) -> str | None:
+    """`serve MODEL` (vLLM's form) or `serve --model MODEL`; both are fine when they agree."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ValueError(f"the model is named twice, differently: {tag!r} and --model {args.model!r}")
+    return tag if tag is not None else args.model
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -104,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from .allocator import tune_malloc
     tune_malloc()   # before the weights load and the engine's threads start (allocator.py says why)
     try:
+        args.model = model_from_args(args)
         engine_args = EngineArgs.from_cli_args(args)
         # --max-logprobs is checked against the vocabulary once the model is loaded
         limits_from_args(args, max_logprobs_ceiling=sys.maxsize, max_logprobs=max(args.max_logprobs, 0))

@@ -29,12 +29,14 @@ def server_model_dir(tiny_llama_dir: Path) -> Path:
 class ServerProcess:
     """`pagedmodel serve` in a subprocess; logs go to a file the tests can read."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None):
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None,
+                 model_as_argument: bool = False):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
-        args = [sys.executable, "-m", "pagedmodel.cli", "serve", "--model", str(model_dir),
+        model = [str(model_dir)] if model_as_argument else ["--model", str(model_dir)]   # vLLM's form, or ours
+        args = [sys.executable, "-m", "pagedmodel.cli", "serve", *model,
                 "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port), *extra]
         if api_key:
             args += ["--api-key", api_key]
@@ -118,7 +120,7 @@ def vllm_server(server_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     os.environ["VLLM_API_KEY"] = VLLM_KEY   # the child copies the environment at start
     try:
         srv = ServerProcess(server_model_dir, log, "--max-model-len", "256", "--kv-cache-memory", str(8 << 20),
-                            "--served-model-name", VLLM_MODEL, *VLLM_COMMAND_LINE)
+                            "--served-model-name", VLLM_MODEL, *VLLM_COMMAND_LINE, model_as_argument=True)
     finally:
         if old is None:
             os.environ.pop("VLLM_API_KEY")

@@ -93,6 +93,7 @@ def test_max_logprobs_up_to_the_vocabulary(vllm_server: ServerProcess) -> None:
     (["--runner", "pooling"], "--runner pooling is not served"),
     (["--load-format", "dummy"], "--load-format dummy is not served"),
     (["--max-logprobs", "-5"], "--max-logprobs"),
+    (["other-model"], "the model is named twice, differently"),
 ])
 def test_flags_that_would_change_results_are_refused(server_model_dir: Path, args: list[str], message: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "serve", "--model", str(server_model_dir),
