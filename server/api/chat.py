@@ -12,7 +12,7 @@ from pagedmodel.server.engine.outputs import CompletionOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import RequestGroup
 from .errors import APIError
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
                        ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage, random_id)
 from .serving import OpenAIServing
@@ -55,7 +55,9 @@ async def create_chat_completion(serving: OpenAIServing, request: Request,
     serving.set_log_info(request, request_id, len(ids), completion_tokens,
                          ",".join(sorted({c.finish_reason or "-" for c in choices})))
     resp = ChatCompletionResponse(id=request_id, created=created, model=req.model or serving.model_name, choices=choices,
-                                  usage=usage, prompt_token_ids=list(ids) if req.return_token_ids else None)
+                                  usage=usage, prompt_token_ids=list(ids) if req.return_token_ids else None,
+                                  prompt_logprobs=prompt_logprobs(serving, final[0], params.prompt_logprobs,
+                                                                  serving.tokens_as_ids(req.return_tokens_as_token_ids)))
     return Response(resp.model_dump_json(), media_type="application/json", headers={"X-Request-Id": request_id})
 
 

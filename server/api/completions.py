@@ -12,7 +12,7 @@ from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import RequestGroup
 from .errors import APIError
-from .logprobs import completion_logprobs, prepend_prompt_logprobs
+from .logprobs import completion_logprobs, prepend_prompt_logprobs, prompt_logprobs
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        CompletionStreamResponse, random_id)
 from .serving import OpenAIServing
@@ -25,7 +25,7 @@ async def prepare_completion(serving: OpenAIServing, req: CompletionRequest
     """Sampling params, the tokenized prompts, and the LoRA adapter ``model`` names (None: the base model)."""
     lora = serving.check_model(req.model)
     try:
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(serving.tokenizer_size, serving.config.limits.max_logprobs)
         prompts = req.prompts()
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
@@ -70,6 +70,7 @@ def _prompt_choices(serving: OpenAIServing, req: CompletionRequest, params: Samp
     prompt_text = (text if text is not None else serving.decode(ids)) if req.echo else ""
     top_n = params.logprobs or 0
     as_ids = serving.tokens_as_ids(req.return_tokens_as_token_ids)
+    scored_prompt = prompt_logprobs(serving, final, params.prompt_logprobs, as_ids)
     choices = []
     for o in sorted(final.outputs, key=lambda o: o.index):
         lp = None
@@ -80,7 +81,8 @@ def _prompt_choices(serving: OpenAIServing, req: CompletionRequest, params: Samp
         choices.append(CompletionChoice(index=p_idx * params.n + o.index, text=prompt_text + o.text, logprobs=lp,
                                         finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                         prompt_token_ids=list(ids) if req.return_token_ids else None,
-                                        token_ids=list(o.token_ids) if req.return_token_ids else None))
+                                        token_ids=list(o.token_ids) if req.return_token_ids else None,
+                                        prompt_logprobs=scored_prompt))
     return choices
 
 

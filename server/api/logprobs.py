@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-from .protocol import ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pagedmodel.server.engine.outputs import RequestOutput
+
+from .protocol import ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
 from .serving import OpenAIServing
 
 
@@ -68,3 +70,25 @@ def chat_logprobs(serving: OpenAIServing, token_ids: list[int], logprobs: list[d
                                      bytes=list(token_label(serving, t, as_ids).encode("utf-8", "replace")))
                           for t, v in top]))
     return ChatChoiceLogprobs(content=content)
+
+
+def prompt_logprobs(serving: OpenAIServing, out: RequestOutput, top_n: int | None,
+                    as_ids: bool = False) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first has none) the token itself with its rank in
+    the distribution, then the ``top_n`` most likely with theirs (1..top_n), each keyed by token id."""
+    if out.prompt_logprobs is None:
+        return None
+    result: PromptLogprobs = []
+    for pos, entry in enumerate(out.prompt_logprobs):
+        if entry is None:
+            result.append(None)
+            continue
+        token = out.prompt_token_ids[pos]
+        ranks = out.prompt_token_ranks
+        scored = {token: PromptLogprob(logprob=finite(entry[token]), rank=ranks[pos] if pos < len(ranks) else None,
+                                       decoded_token=token_label(serving, token, as_ids))}
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n or 0]
+        for rank, (t, v) in enumerate(top, start=1):
+            scored.setdefault(t, PromptLogprob(logprob=finite(v), rank=rank, decoded_token=token_label(serving, t, as_ids)))
+        result.append(scored)
+    return result

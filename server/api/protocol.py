@@ -68,6 +68,14 @@ class _SamplingRequest(StructuredOutputsFields):
     logit_bias: dict[str, Number] | None = None   # token id (as a string) -> bias added to its logit
     return_token_ids: LaxBool | None = None            # vLLM's: prompt_token_ids and token_ids in the answer
     return_tokens_as_token_ids: LaxBool | None = None  # vLLM's: logprobs name tokens "token_id:N"
+    prompt_logprobs: StrictInt | None = None           # vLLM's: each prompt token's logprob and the top n
+
+    def _prompt_logprobs(self, vocab_size: int, max_logprobs: int | None, default: int | None) -> int | None:
+        """vLLM's rules: -1 is the whole vocabulary; a stream cannot carry them (0 asks for none, so it may)."""
+        count = self.prompt_logprobs if self.prompt_logprobs is not None else default
+        if self.prompt_logprobs is not None and self.stream and (self.prompt_logprobs > 0 or self.prompt_logprobs == -1):
+            raise SamplingParamsError("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        return logprob_count(count, "prompt_logprobs", vocab_size, max_logprobs)
 
     def _base_params(self, *, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None = None) -> SamplingParams:
@@ -95,6 +103,19 @@ class _SamplingRequest(StructuredOutputsFields):
             structured_outputs=self.structured_outputs_params(), logit_bias=parse_logit_bias(self.logit_bias),
         )
         return SamplingParams(**kwargs)
+
+
+def logprob_count(value: int | None, name: str, vocab_size: int, max_logprobs: int | None) -> int | None:
+    """A count of logprobs as vLLM takes it: n >= 0 tokens, or -1 for the whole vocabulary, which like any
+    count must be within --max-logprobs (http_limits checks the explicit counts before the body is parsed)."""
+    if value is None or value >= 0:
+        return value
+    if value != -1:
+        raise SamplingParamsError(f"{name} must be a non-negative integer or -1, got {value}", name)
+    if max_logprobs is not None and vocab_size > max_logprobs:
+        raise SamplingParamsError(f"{name} -1 asks for the whole vocabulary ({vocab_size} tokens); "
+                                  f"this server returns at most {max_logprobs} (--max-logprobs)", name)
+    return vocab_size
 
 
 def engine_seed(seed: int | None) -> int | None:
@@ -149,14 +170,16 @@ class CompletionRequest(_SamplingRequest):
                 raise SamplingParamsError("prompt must not be empty", "prompt")
         return out
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, vocab_size: int = 0, max_logprobs: int | None = None) -> SamplingParams:
+        """``vocab_size`` and ``max_logprobs`` resolve vLLM's -1 counts (the whole vocabulary)."""
         if self.suffix:
             raise SamplingParamsError("suffix is not supported", "suffix")
         # OpenAI's completions default is 16 tokens.
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        logprobs = logprob_count(self.logprobs, "logprobs", vocab_size, max_logprobs)
         # echo + logprobs: the echoed prompt's tokens carry logprobs too, as OpenAI returns them
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._base_params(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+        prompt_logprobs = self._prompt_logprobs(vocab_size, max_logprobs, default=logprobs if self.echo else None)
+        return self._base_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class TextContentPart(BaseModel):
@@ -244,29 +267,30 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise SamplingParamsError("continue_final_message and add_generation_prompt cannot both be true",
                                       "continue_final_message")
-        logprobs = self._top_logprobs(vocab_size, max_logprobs) if self.logprobs else None
+        logprobs = logprob_count(self.top_logprobs or 0, "top_logprobs", vocab_size, max_logprobs) if self.logprobs else None
+        # vLLM's: with echo, the prompt is scored with top_logprobs alternatives unless prompt_logprobs says
+        # (a stream echoes the text alone, so it does not pay for them)
+        prompt_logprobs = self._prompt_logprobs(vocab_size, max_logprobs,
+                                                default=self.top_logprobs if self.echo and not self.stream else None)
         # max_completion_tokens is the newer name; None means "up to the model's context".
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._base_params(max_tokens=max_tokens, logprobs=logprobs)
-
-
-    def _top_logprobs(self, vocab_size: int, max_logprobs: int | None) -> int:
-        top = self.top_logprobs or 0
-        if top == -1:   # vLLM's "all of them": the vocabulary, within --max-logprobs like any other count
-            if max_logprobs is not None and vocab_size > max_logprobs:
-                raise SamplingParamsError(f"top_logprobs -1 asks for the whole vocabulary ({vocab_size} tokens); "
-                                          f"this server returns at most {max_logprobs} (--max-logprobs)",
-                                          "top_logprobs")
-            return vocab_size
-        if top < 0:
-            raise SamplingParamsError(f"top_logprobs must be a non-negative integer or -1, got {top}", "top_logprobs")
-        return top
+        return self._base_params(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 # ---------------------------------------------------------------- responses
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry for one token (keyed by its id)."""
+    logprob: float
+    rank: int | None = None            # 1 + how many tokens were more likely
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]   # per prompt token; the first is None
 
 
 class PromptTokensDetails(BaseModel):
@@ -303,6 +327,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None   # return_token_ids (a stream: its first chunk only)
     token_ids: list[int] | None = None          # return_token_ids (a stream: each chunk's new tokens)
+    prompt_logprobs: PromptLogprobs | None = None   # vLLM's prompt_logprobs (or echo + logprobs)
 
 
 class CompletionResponse(BaseModel):
@@ -371,6 +396,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None   # return_token_ids
+    prompt_logprobs: PromptLogprobs | None = None   # vLLM's prompt_logprobs (or echo + top_logprobs)
 
 
 class DeltaFunctionCall(BaseModel):

@@ -109,6 +109,7 @@ class LLMEngine:
         init_offsets(group.seqs[0])
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]   # nothing scores the first prompt token
+            group.prompt_token_ranks = [None]
         if params.use_beam_search:
             limit = self.max_model_len - len(inputs.token_ids)
             max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit

@@ -59,6 +59,7 @@ class OutputProcessor:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
                              group.metrics, num_cached_tokens=group.num_cached_tokens,
                              prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+                             prompt_token_ranks=list(group.prompt_token_ranks),
                              new_token_counts=[new_counts.get(s.seq_id, 0) for s in seqs])
 
     def _beam_output(self, group: SequenceGroup, decision: BeamDecision) -> RequestOutput:

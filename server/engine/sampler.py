@@ -193,6 +193,7 @@ def _with_chosen(top: dict[int, float] | None, token: int, logprob: float) -> di
 
 
 PromptLogprobs = list[dict[int, float]]   # one {token: logprob, top-k...} per scored prompt token
+PromptRanks = list[int]                   # per scored prompt token: its rank in the distribution (1 = top)
 
 
 @dataclass
@@ -201,8 +202,8 @@ class SamplerOutput:
     # sample: the first is the sequence's own, the others go to the forks update_from_output makes
     samples: dict[int, list[SampleResult]] = field(default_factory=dict)
     beams: dict[str, BeamDecision] = field(default_factory=dict)                   # request_id -> beam step
-    prompt_logprobs: dict[int, tuple[int, PromptLogprobs]] = field(default_factory=dict)  # seq_id -> (first
-    # scored position, entries)
+    prompt_logprobs: dict[int, tuple[int, PromptLogprobs, PromptRanks]] = field(default_factory=dict)
+    # seq_id -> (first scored position, entries, the prompt tokens' ranks)
 
 
 class Sampler:
@@ -258,8 +259,8 @@ class Sampler:
             for seq_id, sampled in zip(owners, sample(logits, rows)):
                 result.samples.setdefault(seq_id, []).append(sampled)
         for seq_id, (s, logprobs) in out.prompt_logprobs.items():
-            entries = _prompt_entries(s.seq.token_ids, s.start, logprobs, s.group.params.prompt_logprobs)
-            result.prompt_logprobs[seq_id] = (s.start, entries)
+            result.prompt_logprobs[seq_id] = (s.start, *_prompt_entries(s.seq.token_ids, s.start, logprobs,
+                                                                         s.group.params.prompt_logprobs))
         return result
 
     def _row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
@@ -290,10 +291,14 @@ class Sampler:
         return matcher
 
 
-def _prompt_entries(token_ids: list[int], start: int, logprobs: torch.Tensor, k: int | None) -> PromptLogprobs:
-    """Row j (position start + j) scores prompt token start + 1 + j: its logprob, plus the top ``k``."""
+def _prompt_entries(token_ids: list[int], start: int, logprobs: torch.Tensor,
+                    k: int | None) -> tuple[PromptLogprobs, PromptRanks]:
+    """Row j (position start + j) scores prompt token start + 1 + j: its logprob, plus the top ``k``; and
+    the token's rank (1 + how many tokens are more likely), which vLLM's prompt_logprobs report."""
     targets = torch.tensor(token_ids[start + 1:start + 1 + len(logprobs)], device=logprobs.device)
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    chosen_t = logprobs.gather(1, targets[:, None])
+    ranks = (1 + (logprobs > chosen_t).sum(dim=1)).tolist()
+    chosen = chosen_t[:, 0].tolist()
     top = torch.topk(logprobs, k) if k else None
     entries = []
     for j, (token, lp) in enumerate(zip(targets.tolist(), chosen)):
@@ -301,4 +306,4 @@ def _prompt_entries(token_ids: list[int], start: int, logprobs: torch.Tensor, k:
         if top is not None:
             entry.update({int(t): float(v) for t, v in zip(top.indices[j].tolist(), top.values[j].tolist())})
         entries.append(entry)
-    return entries
+    return entries, ranks

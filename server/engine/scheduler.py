@@ -402,11 +402,13 @@ class Scheduler:
             max_lora=self.lora_slots.num_slots if self.lora_slots else 0)
 
 
-def _record_prompt_logprobs(group: SequenceGroup, start: int, entries: list[dict[int, float]]) -> None:
+def _record_prompt_logprobs(group: SequenceGroup, start: int, entries: list[dict[int, float]],
+                            ranks: list[int]) -> None:
     """Entry j scores prompt token start + 1 + j; a recomputed prompt scores the same tokens again."""
-    for j, entry in enumerate(entries):
+    for j, (entry, rank) in enumerate(zip(entries, ranks)):
         if len(group.prompt_logprobs) == start + 1 + j:
             group.prompt_logprobs.append(entry)
+            group.prompt_token_ranks.append(rank)
 
 
 def _lora_names(groups: list[SequenceGroup]) -> tuple[str, ...]:

@@ -108,6 +108,7 @@ class SequenceGroup:
     arrival_seq: int = field(default_factory=lambda: next(_arrival_order))
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None   # filled when params.prompt_logprobs is set
+    prompt_token_ranks: list[int | None] = field(default_factory=list)   # beside prompt_logprobs: each token's rank
 
     def __post_init__(self) -> None:
         if not self.seqs:

@@ -193,3 +193,57 @@ def test_tools_defining_one_name_differently_are_refused(api_server: ServerProce
     r = _post(api_server, "/v1/chat/completions", {"messages": USER, "tool_choice": "required",
                                                    "tools": [tool("a", ["red"]), tool("b", ["blue"])]})
     assert "$defs/C" in assert_openai_error(r.status_code, r.content, 400, "tools")["message"]
+
+
+def _check_prompt_logprobs(scored: list, prompt_ids: list[int], top_n: int) -> None:
+    """vLLM's layout: None for the first token, then {id: {logprob, rank, decoded_token}} holding the prompt
+    token (with its rank) and the top_n most likely (ranks 1..top_n)."""
+    assert len(scored) == len(prompt_ids) and scored[0] is None
+    for token, entry in zip(prompt_ids[1:], scored[1:]):
+        entry = {int(k): v for k, v in entry.items()}
+        mine = entry[token]
+        assert mine["rank"] >= 1 and isinstance(mine["decoded_token"], str)
+        others = sorted((v for t, v in entry.items() if t != token), key=lambda v: v["rank"])
+        assert len(entry) == (top_n if mine["rank"] <= top_n else top_n + 1)
+        ranked = sorted(entry.values(), key=lambda v: -v["logprob"])
+        assert [v["rank"] for v in ranked][:top_n] == list(range(1, top_n + 1))
+        assert all(a["logprob"] >= b["logprob"] for a, b in zip(others, others[1:]))
+
+
+def test_prompt_logprobs_in_completions_match_the_echoed_ones(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    choice = r.choices[0]
+    prompt_ids = choice.model_extra["prompt_token_ids"]
+    _check_prompt_logprobs(choice.model_extra["prompt_logprobs"], prompt_ids, 2)
+    # the same numbers as echo + logprobs gives for the prompt's tokens (that path is checked against HF)
+    echoed = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1,
+                                       temperature=0, echo=True, logprobs=2).choices[0].logprobs
+    mine = [entry[str(t)]["logprob"] for t, entry in zip(prompt_ids[1:], choice.model_extra["prompt_logprobs"][1:])]
+    assert mine == pytest.approx(echoed.token_logprobs[1:len(prompt_ids)], abs=1e-5)
+    plain = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert plain.choices[0].model_extra.get("prompt_logprobs") is None
+
+
+def test_prompt_logprobs_in_chat(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2,
+                                       extra_body={"prompt_logprobs": 1, "return_token_ids": True})
+    _check_prompt_logprobs(r.model_extra["prompt_logprobs"], r.model_extra["prompt_token_ids"], 1)
+    # vLLM's: chat echo with top_logprobs scores the prompt with as many alternatives
+    echo = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, logprobs=True, top_logprobs=3,
+                                          extra_body={"echo": True, "return_token_ids": True})
+    _check_prompt_logprobs(echo.model_extra["prompt_logprobs"], echo.model_extra["prompt_token_ids"], 3)
+
+
+@pytest.mark.parametrize("path, body, fragment", [
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -2}, "non-negative integer or -1"),
+    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": -2}, "non-negative integer or -1"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "not available when stream"),
+    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": -1, "stream": True}, "not available when stream"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -1}, "--max-logprobs"),
+    ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 21}, "--max-logprobs"),
+])
+def test_bad_prompt_logprobs_are_400(api_server: ServerProcess, path: str, body: dict, fragment: str) -> None:
+    r = _post(api_server, path, {"max_tokens": 1, **body})
+    err = assert_openai_error(r.status_code, r.text, 400, param="prompt_logprobs")
+    assert fragment in err["message"], err

@@ -33,12 +33,16 @@ def test_prompt_logprobs_match_hf_across_chunks_and_cache(wordlevel_llama_dir):
     assert bm.prefix_hits == hits_before, "cached blocks have no logits: no prefix reuse"
     lps = out.prompt_logprobs
     assert lps is not None and len(lps) == len(PROMPT) and lps[0] is None
+    assert len(out.prompt_token_ranks) == len(PROMPT) and out.prompt_token_ranks[0] is None
     for p in range(1, len(PROMPT)):
         entry = lps[p]
         token = PROMPT[p]
         assert math.isclose(entry[token], float(ref[p - 1, token]), abs_tol=1e-4), p
         top3 = torch.topk(ref[p - 1], 3).indices.tolist()
         assert set(top3) <= set(entry), p
+        # the token's rank in HF's distribution (1 = the most likely); a random model ranks most tokens low
+        assert out.prompt_token_ranks[p] == 1 + int((ref[p - 1] > ref[p - 1, token]).sum()), p
+    assert max(out.prompt_token_ranks[1:]) > 3, "some prompt token outside the top 3 needs its own rank"
     plain = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=2))[0]
     assert plain.prompt_logprobs is None
 
