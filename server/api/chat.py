@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, answers whole or streamed;
-with `tools`, answers carry `tool_calls` (tool_calling.py decides how)."""
+with `tools`, answers carry `tool_calls` (tool_calling.py decides how); with --reasoning-parser, the
+thinking part comes apart as `reasoning` (chat_output.py)."""
 from __future__ import annotations
 
 import time
@@ -11,14 +12,16 @@ from fastapi.responses import Response, StreamingResponse
 from pagedmodel.server.engine.outputs import CompletionOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import RequestGroup
+from .chat_output import ChoiceStream, split_choice
 from .errors import APIError
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamChoice,
                        ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage, random_id)
+from .reasoning import ReasoningPlan, plan_reasoning
 from .serving import OpenAIServing
 from .structured_outputs import ensure_compiled
 from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk, usage_options
-from .tool_calling import ToolPlan, delta_message, finish_reason, plan_tools, response_tool_calls
+from .tool_calling import ToolPlan, finish_reason, plan_tools, response_tool_calls
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request,
@@ -36,22 +39,30 @@ async def create_chat_completion(serving: OpenAIServing, request: Request,
     serving.check_logit_bias(params)
     params = plan.constrain(params)
     await ensure_compiled(serving, params)   # a schema that cannot compile: 400 before the engine sees it
-    ids, _ = await serving.render_chat(req.messages, tools=plan.tools,
-                                       add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message)
+    ids, prompt_text = await serving.render_chat(req.messages, tools=plan.tools,
+                                                 add_generation_prompt=req.add_generation_prompt,
+                                                 continue_final_message=req.continue_final_message,
+                                                 template_kwargs=req.chat_template_kwargs)
     serving.check_prompt(ids, params, param="messages")
+    thinking = plan_reasoning(cfg.reasoning_parser, prompt_text, include=req.include_reasoning,
+                              template_kwargs=req.chat_template_kwargs,
+                              constrained=params.structured_outputs is not None)
     request_id = random_id("chatcmpl")
     group = await serving.submit(serving.build_subs(request_id, [ids], params, req.cache_salt, lora), req.priority)
     request.state.log_info = f"id={request_id}"
     created = int(time.time())
     if req.stream:
-        return StreamingResponse(stream_chat(serving, request, req, group, request_id, created, ids, params, plan),
+        return StreamingResponse(stream_chat(serving, request, req, group, request_id, created, ids, params, plan,
+                                             thinking),
                                  media_type="text/event-stream", headers=stream_headers(request_id))
 
     final = await serving.collect(group, request)
-    choices = [_choice(serving, req, o, plan, params) for o in sorted(final[0].outputs, key=lambda o: o.index)]
+    outputs = sorted(final[0].outputs, key=lambda o: o.index)
+    answers = [_choice(serving, req, o, plan, params, thinking) for o in outputs]
+    choices = [choice for choice, _ in answers]
     completion_tokens = sum(len(o.token_ids) for o in final[0].outputs)
-    usage = serving.usage(len(ids), completion_tokens, final[0].num_cached_tokens)
+    usage = serving.usage(len(ids), completion_tokens, final[0].num_cached_tokens,
+                          reasoning_tokens=_reasoning_tokens(serving, [r for _, r in answers]))
     serving.set_log_info(request, request_id, len(ids), completion_tokens,
                          ",".join(sorted({c.finish_reason or "-" for c in choices})))
     resp = ChatCompletionResponse(id=request_id, created=created, model=req.model or serving.model_name, choices=choices,
@@ -71,27 +82,45 @@ def echoed_content(req: ChatCompletionRequest) -> str:
     return last.text() if last.role == answer_role else ""
 
 
-def _choice(serving: OpenAIServing, req: ChatCompletionRequest, o: CompletionOutput,
-            plan: ToolPlan, params: SamplingParams) -> ChatCompletionChoice:
+def _reasoning_tokens(serving: OpenAIServing, texts: list[str | None]) -> int | None:
+    """usage's reasoning_tokens with --reasoning-parser (None without): the thinking text's token count."""
+    if serving.config.reasoning_parser is None:
+        return None
+    return sum(serving.count_tokens(t) for t in texts if t)
+
+
+def _hides_reasoning(thinking: ReasoningPlan | None) -> bool:
+    # include_reasoning false: logprobs and token ids would spell the thinking out, so they go too (vLLM's)
+    return thinking is not None and not thinking.include
+
+
+def _choice(serving: OpenAIServing, req: ChatCompletionRequest, o: CompletionOutput, plan: ToolPlan,
+            params: SamplingParams, thinking: ReasoningPlan | None) -> tuple[ChatCompletionChoice, str | None]:
+    """The choice, and its reasoning (counted in usage even when include_reasoning drops it)."""
     as_ids = serving.tokens_as_ids(req.return_tokens_as_token_ids)
-    lp = chat_logprobs(serving, o.token_ids, o.logprobs, params.logprobs or 0, as_ids) if req.logprobs else None
-    extracted = plan.extract(o.text)
+    hide = _hides_reasoning(thinking)
+    lp = chat_logprobs(serving, o.token_ids, o.logprobs, params.logprobs or 0, as_ids) \
+        if req.logprobs and not hide else None
+    reasoning, extracted = split_choice(o.text, plan, thinking)
     content = extracted.content
     if plan.choice.mode == "named" and content is None:
         content = ""   # vLLM's: a named call's message has empty content, not null
     echo = echoed_content(req)
     if echo:
         content = echo + (content or "")
-    message = ChatResponseMessage(content=content, tool_calls=response_tool_calls(extracted))
+    message = ChatResponseMessage(content=content, tool_calls=response_tool_calls(extracted),
+                                  reasoning=None if hide else reasoning)
     return ChatCompletionChoice(index=o.index, message=message, logprobs=lp,
                                 finish_reason=finish_reason(o.finish_reason, bool(extracted.calls)),
-                                stop_reason=o.stop_reason, token_ids=list(o.token_ids) if req.return_token_ids else None)
+                                stop_reason=o.stop_reason,
+                                token_ids=list(o.token_ids) if req.return_token_ids and not hide else None), reasoning
 
 
 def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionRequest, group: RequestGroup,
                 request_id: str, created: int, prompt_ids: list[int], params: SamplingParams,
-                plan: ToolPlan) -> AsyncIterator[str]:
+                plan: ToolPlan, thinking: ReasoningPlan | None) -> AsyncIterator[str]:
     include_usage, continuous_usage = usage_options(req.stream_options)
+    hide = _hides_reasoning(thinking)
     model = req.model or serving.model_name
     top_n = params.logprobs or 0
     as_ids = serving.tokens_as_ids(req.return_tokens_as_token_ids)
@@ -115,28 +144,27 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
         for j in range(params.n if echo else 0):
             yield chunk(ChatCompletionStreamChoice(index=j, delta=DeltaMessage(content=echo)))
         tracker = DeltaTracker(params.n)
-        streamers = [plan.streamer() for _ in range(params.n)]
+        streams = [ChoiceStream(plan, thinking) for _ in range(params.n)]
         completion_tokens, cached_tokens = 0, 0
         finishes: set[str] = set()
         async for _, out in group.outputs():
             for o in out.outputs:
                 text, new_ids, new_lp, _ = tracker.advance(o.index, o)
-                lp = chat_logprobs(serving, new_ids, new_lp, top_n, as_ids) if req.logprobs and new_ids else None
-                streamer = streamers[o.index]
+                lp = chat_logprobs(serving, new_ids, new_lp, top_n, as_ids) \
+                    if req.logprobs and new_ids and not hide else None
+                stream = streams[o.index]
                 finished = tracker.newly_finished(o.index, o)
-                if streamer is None:
-                    delta = DeltaMessage(content=text)
-                else:   # on the last output, also what the parser still held back
-                    news = streamer.feed(text)
-                    delta = delta_message(news.extend(streamer.finish()) if finished else news)
-                token_ids = list(new_ids) if req.return_token_ids and new_ids else None
-                if delta.content or delta.tool_calls or lp is not None or token_ids:
+                delta = stream.step(text, finished)   # on the last output, also what the parsers held back
+                if hide:
+                    delta.reasoning = None
+                token_ids = list(new_ids) if req.return_token_ids and new_ids and not hide else None
+                if delta.content or delta.tool_calls or delta.reasoning or lp is not None or token_ids:
                     yield chunk(ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=lp,
                                                            token_ids=token_ids), len(o.token_ids))
                 if not finished:
                     continue
                 completion_tokens += len(o.token_ids)
-                reason = finish_reason(o.finish_reason, streamer is not None and streamer.called)
+                reason = finish_reason(o.finish_reason, stream.called)
                 finishes.add(reason or "-")
                 yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(),
                                                        finish_reason=reason, stop_reason=o.stop_reason),
@@ -145,7 +173,8 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
                 cached_tokens = out.num_cached_tokens
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))
         if include_usage:
+            reasoning_tokens = _reasoning_tokens(serving, [s.reasoning_text for s in streams])
             yield usage_chunk(ChatCompletionStreamResponse, request_id, created, model,
-                              serving.usage(prompt_tokens, completion_tokens, cached_tokens))
+                              serving.usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens))
 
     return guarded_stream(serving, group, body())

@@ -259,6 +259,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: LaxBool = True   # false: `required` makes exactly one call
     echo: LaxBool = False   # vLLM's: the answer starts with the last message's content when it is the answer's role
+    include_reasoning: LaxBool = True   # vLLM's: false drops `reasoning` (with --reasoning-parser)
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: extra variables for the chat template
 
     def to_sampling_params(self, vocab_size: int = 0, max_logprobs: int | None = None) -> SamplingParams:
         """``vocab_size`` and ``max_logprobs`` resolve vLLM's ``top_logprobs: -1`` (the whole vocabulary)."""
@@ -297,11 +299,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0   # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0   # the completion tokens that were thinking (with --reasoning-parser)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None   # with --enable-prompt-tokens-details
+    completion_tokens_details: CompletionTokensDetails | None = None   # with --reasoning-parser
+
+    @model_serializer(mode="wrap")
+    def _omit_completion_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return omit_none(handler(self), ("completion_tokens_details",))
 
 
 def omit_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -377,6 +388,11 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning: str | None = None   # vLLM 0.33's name (older vLLM said reasoning_content); sent when there is some
+
+    @model_serializer(mode="wrap")
+    def _omit_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return omit_none(handler(self), ("reasoning",))
 
 
 class ChatCompletionChoice(BaseModel):
@@ -417,11 +433,13 @@ class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None   # with --reasoning-parser: the thinking this delta adds
 
     @model_serializer(mode="plain")
     def _drop_unset(self) -> dict[str, Any]:
         # OpenAI sends only the keys a delta changes: {"role": ...} first, then {"content": ...}, then {}.
-        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        out: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content),
+                                                 ("reasoning", self.reasoning)) if v is not None}
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
         return out

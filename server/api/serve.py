@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
                           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                          enable_server_load_tracking=args.enable_server_load_tracking)
+                          enable_server_load_tracking=args.enable_server_load_tracking,
+                          reasoning_parser=args.reasoning_parser)
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, args.host, args.port,
                 engine.max_model_len)

@@ -31,13 +31,17 @@ from .errors import UNSERVED_HEADER, APIError, validation_message
 from .http_limits import HTTPLimits, read_body
 from .lora_adapters import resolve_model
 from .metrics import ServerMetrics, cache_config_labels
-from .protocol import ChatMessage, PromptTokensDetails, UsageInfo
+from .protocol import ChatMessage, CompletionTokensDetails, PromptTokensDetails, UsageInfo
 from .tool_definitions import FunctionTool
 from .tool_prompt import prepare_chat
 
 logger = logging.getLogger("pagedmodel.server.api")
 
 M = TypeVar("M", bound=BaseModel)
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
+_RENDER_OWN = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                         "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                         "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
 @dataclass
@@ -62,6 +66,7 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
+    reasoning_parser: str | None = None   # --reasoning-parser: chat answers split off their thinking (reasoning/)
 
 
 class ClientDisconnected(Exception):
@@ -179,8 +184,13 @@ class OpenAIServing:
 
     async def render_chat(self, messages: list[ChatMessage], *, tools: list[FunctionTool] | None = None,
                           add_generation_prompt: bool = True, continue_final_message: bool = False,
-                          add_special_tokens: bool = False) -> tuple[list[int], str]:
-        """The messages (and tools) through the model's chat template: (token ids, rendered text)."""
+                          add_special_tokens: bool = False,
+                          template_kwargs: dict[str, Any] | None = None) -> tuple[list[int], str]:
+        """The messages (and tools) through the model's chat template: (token ids, rendered text).
+
+        ``template_kwargs``: the request's chat_template_kwargs, extra variables for the template (Qwen3's
+        enable_thinking); names that are render_chat's own arguments are not theirs to change.
+        """
         template = getattr(self._enc_tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
@@ -190,6 +200,7 @@ class OpenAIServing:
         except SamplingParamsError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         dicts, extra = prepare_chat(dicts, tools or [], template)
+        extra = {**{k: v for k, v in (template_kwargs or {}).items() if k not in _RENDER_OWN}, **extra}
 
         def render() -> tuple[list[int], str]:
             text = self._enc_tokenizer.apply_chat_template(
@@ -295,11 +306,19 @@ class OpenAIServing:
         """return_tokens_as_token_ids: the request's own choice, else --return-tokens-as-token-ids."""
         return self.config.return_tokens_as_token_ids if requested is None else requested
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> UsageInfo:
-        """The token counts; with --enable-prompt-tokens-details, also how many prompt tokens were cached."""
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+              reasoning_tokens: int | None = None) -> UsageInfo:
+        """The token counts; with --enable-prompt-tokens-details, also how many prompt tokens were cached;
+        with a ``reasoning_tokens`` count (--reasoning-parser), completion_tokens_details."""
         details = PromptTokensDetails(cached_tokens=cached_tokens) if self.config.enable_prompt_tokens_details else None
+        completion = CompletionTokensDetails(reasoning_tokens=reasoning_tokens) if reasoning_tokens is not None else None
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details,
+                         completion_tokens_details=completion)
+
+    def count_tokens(self, text: str) -> int:
+        """How many tokens ``text`` encodes to (usage's reasoning_tokens: the thinking's share of the output)."""
+        return len(self._dec_tokenizer(text, add_special_tokens=False).input_ids)
 
     def check_logit_bias(self, params: SamplingParams) -> None:
         """logit_bias ids must name tokens (the sampler would skip others silently)."""

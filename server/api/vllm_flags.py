@@ -5,12 +5,14 @@ Each flag is one of three kinds:
 - no effect: it only tunes something this engine does not have or always does (the frontend process,
   chunked prefill); accepted, and one log line says so;
 - refused: a value that would change results in a way we cannot honour (--runner pooling, --load-format
-  dummy): exit 2 with a message naming the flag.
+  dummy, a --reasoning-parser we do not have): exit 2 with a message naming the flag.
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+
+from .reasoning import REASONING_PARSERS, check_reasoning_parser
 
 # vLLM's backends for --structured-outputs-config.backend; every one constrains to the same grammar, so
 # any of them is served by ours (xgrammar) and only the compile speed differs.
@@ -67,6 +69,9 @@ def add_vllm_flag_arguments(parser: argparse.ArgumentParser) -> None:
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
       help="accepted; prefill is always chunked here")
     a("--disable-frontend-multiprocessing", action="store_true", default=None, help="accepted; no effect here")
+    # a free string, so vLLM's other names reach check_vllm_flags and its message (argparse would only list ours)
+    a("--reasoning-parser", default=None, metavar="NAME",
+      help=f"split chat answers' thinking into `reasoning`: {' or '.join(sorted(REASONING_PARSERS))}")
 
 
 def check_vllm_flags(args: argparse.Namespace) -> list[str]:
@@ -79,6 +84,7 @@ def check_vllm_flags(args: argparse.Namespace) -> list[str]:
     if load_format is not None and load_format not in LOAD_FORMATS_SERVED:
         raise ValueError(f"--load-format {load_format} is not served: the loader reads safetensors "
                          f"checkpoints only (--load-format auto or safetensors)")
+    check_reasoning_parser(getattr(args, "reasoning_parser", None))
     notes = [f"{f.flag} has no effect here: {f.why}" for f in NO_EFFECT_FLAGS
              if getattr(args, f.dest, None) is not None]
     backend = getattr(args, "structured_outputs_backend", None)

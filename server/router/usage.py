@@ -30,7 +30,8 @@ def _has_text(event: Any) -> bool:
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        if choice.get("text") or delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
+        if (choice.get("text") or delta.get("content") or delta.get("tool_calls") or delta.get("reasoning")
+                or delta.get("reasoning_content")):   # vLLM 0.33 names it reasoning, older vLLM reasoning_content
             return True
     return False
 

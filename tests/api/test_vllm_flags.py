@@ -94,6 +94,10 @@ def test_max_logprobs_up_to_the_vocabulary(vllm_server: ServerProcess) -> None:
     (["--load-format", "dummy"], "--load-format dummy is not served"),
     (["--max-logprobs", "-5"], "--max-logprobs"),
     (["other-model"], "the model is named twice, differently"),
+    # a parser that would change answers is never ignored: vLLM's other names and typos alike
+    (["--reasoning-parser", "mistral"], "--reasoning-parser mistral: vLLM's reasoning parser 'mistral' is not served "
+                                         "here; served: deepseek_r1, qwen3"),
+    (["--reasoning-parser", "qwen"], "--reasoning-parser qwen: reasoning parser 'qwen' is not served here"),
 ])
 def test_flags_that_would_change_results_are_refused(server_model_dir: Path, args: list[str], message: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "serve", "--model", str(server_model_dir),
@@ -109,6 +113,8 @@ def test_no_effect_notes_only_for_flags_given() -> None:
     add_arguments(parser)
     assert check_vllm_flags(parser.parse_args([])) == []
     assert check_vllm_flags(parser.parse_args(["--structured-outputs-config.backend", "xgrammar"])) == []
+    for name in ("qwen3", "deepseek_r1"):   # implemented: no note
+        assert check_vllm_flags(parser.parse_args(["--reasoning-parser", name])) == []
     notes = check_vllm_flags(parser.parse_args(["--enable-chunked-prefill", "--max-cpu-loras", "4"]))
     assert len(notes) == 2 and all("has no effect here" in n for n in notes)
     assert parser.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
