@@ -29,10 +29,12 @@ class FunctionTool:
     parameters: dict[str, Any]
 
     def as_openai(self) -> dict[str, Any]:
-        """The definition as the chat template (and the Hermes system prompt) receive it."""
-        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        """The definition as the chat template (and the Hermes system prompt) receive it: OpenAI's key order
+        (name, description, parameters), which a template's `tojson` keeps, so the render is HF's."""
+        fn: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             fn["description"] = self.description
+        fn["parameters"] = self.parameters
         return {"type": "function", "function": fn}
 
 

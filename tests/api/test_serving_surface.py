@@ -113,3 +113,42 @@ def test_vllm_metrics_cache_config_phases_iteration_tokens_and_params(api_server
     assert grew('vllm:request_params_n_bucket{le="1.0",model_name="tiny-smol"}') == 0
     assert grew('vllm:request_params_n_bucket{le="2.0",model_name="tiny-smol"}') == 1
     assert grew("vllm:request_params_max_tokens_sum") == 7
+
+
+# A template that reads `tools` (Qwen2.5-like): HF's apply_chat_template(tools=...) renders them itself.
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tools_template_server(server_model_dir, tmp_path_factory):
+    import json
+    import shutil
+
+    model = tmp_path_factory.mktemp("tools-template") / "model"
+    shutil.copytree(server_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOLS_TEMPLATE}))
+    srv = ServerProcess(model, model.parent / "server.log", "--max-model-len", "256", "--kv-cache-memory",
+                        str(8 << 20), "--served-model-name", MODEL, api_key=API_KEY)
+    try:
+        yield srv.wait_ready(), model
+    finally:
+        srv.stop()
+
+
+def test_tokenize_with_tools_is_hfs_render_when_the_template_reads_tools(tools_template_server) -> None:
+    """vLLM's /tokenize is HF's apply_chat_template(tools=...); ours is too whenever the template renders
+    tools itself (a template that ignores them gets them as Hermes text instead: the test above)."""
+    from transformers import AutoTokenizer
+
+    srv, model = tools_template_server
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    ours = _post(srv, "/tokenize", {"messages": messages, "tools": TOOLS}).json()
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    hf = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "get_weather" in hf
+    assert ours["tokens"] == tokenizer(hf, add_special_tokens=False)["input_ids"]
