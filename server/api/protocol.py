@@ -69,6 +69,8 @@ class _SamplingRequest(StructuredOutputsFields):
     return_token_ids: LaxBool | None = None            # vLLM's: prompt_token_ids and token_ids in the answer
     return_tokens_as_token_ids: LaxBool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     prompt_logprobs: StrictInt | None = None           # vLLM's: each prompt token's logprob and the top n
+    allowed_token_ids: list[StrictInt] | None = None   # vLLM's: only these tokens may be drawn
+    logprob_token_ids: list[StrictInt] | None = None   # vLLM's: these tokens' logprobs instead of the top n
 
     def _prompt_logprobs(self, vocab_size: int, max_logprobs: int | None, default: int | None) -> int | None:
         """vLLM's rules: -1 is the whole vocabulary; a stream cannot carry them (0 asks for none, so it may)."""
@@ -80,6 +82,11 @@ class _SamplingRequest(StructuredOutputsFields):
     def _base_params(self, *, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None = None) -> SamplingParams:
         """Build and validate SamplingParams; raises SamplingParamsError naming the bad field."""
+        if self.logprob_token_ids:
+            if logprobs is None:
+                raise SamplingParamsError("logprob_token_ids needs logprobs to be set", "logprob_token_ids")
+            # each token's entry then holds the named tokens and the sampled one, whatever logprobs counted
+            logprobs = len(set(self.logprob_token_ids)) + 1
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
         if self.stream and self.best_of is not None and self.best_of > self.n:
@@ -101,6 +108,7 @@ class _SamplingRequest(StructuredOutputsFields):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(), logit_bias=parse_logit_bias(self.logit_bias),
+            allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids or None,
         )
         return SamplingParams(**kwargs)
 
@@ -176,6 +184,9 @@ class CompletionRequest(_SamplingRequest):
             raise SamplingParamsError("suffix is not supported", "suffix")
         # OpenAI's completions default is 16 tokens.
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if self.logprob_token_ids and max_tokens == 0:
+            raise SamplingParamsError("logprob_token_ids score generated tokens, and no output tokens are generated "
+                                      "with max_tokens 0", "logprob_token_ids")
         logprobs = logprob_count(self.logprobs, "logprobs", vocab_size, max_logprobs)
         # echo + logprobs: the echoed prompt's tokens carry logprobs too, as OpenAI returns them
         prompt_logprobs = self._prompt_logprobs(vocab_size, max_logprobs, default=logprobs if self.echo else None)

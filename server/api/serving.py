@@ -321,11 +321,14 @@ class OpenAIServing:
         return len(self._dec_tokenizer(text, add_special_tokens=False).input_ids)
 
     def check_logit_bias(self, params: SamplingParams) -> None:
-        """logit_bias ids must name tokens (the sampler would skip others silently)."""
-        bad = sorted(t for t in (params.logit_bias or {}) if t >= self.tokenizer_size)
-        if bad:
-            raise APIError(400, f"logit_bias has token ids outside the vocabulary of {self.tokenizer_size} tokens: "
-                                f"{bad[:8]}", param="logit_bias")
+        """Token ids a request names (logit_bias, allowed_token_ids, logprob_token_ids) must name tokens:
+        the sampler would skip others silently."""
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logprob_token_ids", params.logprob_token_ids or [])):
+            bad = sorted(t for t in ids if t >= self.tokenizer_size)
+            if bad:
+                raise APIError(400, f"{name} has token ids outside the vocabulary of {self.tokenizer_size} tokens: "
+                                    f"{bad[:8]}", param=name)
 
     def set_log_info(self, request: Request, request_id: str, prompt_tokens: int, completion_tokens: int,
                      finish: str | None) -> None:

@@ -13,6 +13,11 @@ CPU_BLOCK_SIZE = 128
 GPU_BLOCK_SIZE = 16
 PREEMPTION_MODES = ("swap", "recompute")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}   # vLLM's --dtype names for the same types
+
+
+def canonical_dtype(name: str) -> str:
+    return DTYPE_ALIASES.get(name, name)
 
 
 class ConfigError(ValueError):
@@ -97,8 +102,8 @@ class EngineArgs:
         a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
           help="reuse KV blocks of identical prompt prefixes (off by default; --no-enable-prefix-caching: off)")
         a("--preemption-mode", choices=PREEMPTION_MODES, default=None, help="how to free KV blocks when they run out")
-        a("--dtype", choices=DTYPES, default="auto",
-          help="weights and activations dtype (auto: bf16 on GPU and on CPUs with AMX or AVX512-BF16, else fp32)")
+        a("--dtype", type=canonical_dtype, choices=DTYPES, default="auto",
+          help="weights and activations dtype; half and float are vLLM's names for float16 and float32 (auto: bf16 on GPU and on CPUs with AMX or AVX512-BF16, else fp32)")
         a("--device", default="auto", help="auto, cpu or cuda[:N]")
         a("--seed", type=int, default=0, help="seed for requests without one")
         a("--enforce-eager", action="store_true",

@@ -89,7 +89,7 @@ def _reads_narrow_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> bool:
         return False
     draws = cpu_ops.sampling() is not None
     return all(row.matcher is None and row.params.logprobs is None and not needs_penalties(row)
-               and not row.params.logit_bias
+               and not row.params.logit_bias and row.params.allowed_token_ids is None
                and (row.params.greedy or (draws and not row.params.use_beam_search)) for row in rows)
 
 
@@ -117,9 +117,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
     if biased:
         logits = _with_logit_bias(logits, rows, biased)
+    restricted = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if restricted:
+        logits = _with_allowed_tokens(logits, rows, restricted)
     tokens: list[int] = [0] * len(rows)
     greedy = [i for i, row in enumerate(rows) if row.params.greedy or row.params.use_beam_search]
-    changed = set(constrained) | set(penalised) | set(biased)
+    changed = set(constrained) | set(penalised) | set(biased) | set(restricted)
     plain = [i for i in greedy if i not in changed]
     if plain:
         for i, token in zip(plain, raw_argmax[plain].tolist() if len(plain) < len(rows) else raw_argmax.tolist()):
@@ -165,11 +168,36 @@ def _with_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], biased: list
     return logits.index_put((r, t), logits[r, t] + b)
 
 
+def _with_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow], restricted: list[int]) -> torch.Tensor:
+    """A copy of ``logits`` where each restricted row's tokens outside its ``allowed_token_ids`` are -inf
+    (with logit_bias, before the draw); ids past the logits are skipped, as logit_bias's are."""
+    width = logits.shape[-1]
+    mask = torch.full((len(restricted), width), float("-inf"), dtype=logits.dtype, device=logits.device)
+    for j, i in enumerate(restricted):
+        ids = [t for t in rows[i].params.allowed_token_ids if t < width]
+        mask[j, ids] = 0
+    index = torch.tensor(restricted, dtype=torch.long, device=logits.device)
+    return logits.index_put((index,), logits.index_select(0, index) + mask)
+
+
+def _named_logprobs(logits: torch.Tensor, logsumexp: torch.Tensor, rows: list[SamplingRow],
+                    out: list[dict[int, float] | None]) -> None:
+    """Rows with ``logprob_token_ids``: those tokens' raw logprobs, in place of a top-k."""
+    width = logits.shape[-1]
+    for i, row in enumerate(rows):
+        ids = [t for t in row.params.logprob_token_ids or [] if t < width]
+        if row.params.logprob_token_ids is not None:
+            values = (logits[i, ids] - logsumexp[i]).tolist() if ids else []
+            out[i] = dict(zip(ids, values))
+
+
 def _top_logprobs(logits: torch.Tensor, logsumexp: torch.Tensor,
                   rows: list[SamplingRow]) -> list[dict[int, float] | None]:
-    """Per row: None, or the row's top ``logprobs`` tokens of the raw distribution (one top-k for all)."""
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    """Per row: None, or the row's top ``logprobs`` tokens of the raw distribution (one top-k for all), or
+    the tokens it named (``logprob_token_ids``)."""
     out: list[dict[int, float] | None] = [None] * len(rows)
+    _named_logprobs(logits, logsumexp, rows, out)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None and out[i] is None]
     k = max((rows[i].params.logprobs for i in wanted), default=0)
     if k:
         top = torch.topk(logits[wanted], k, dim=-1)

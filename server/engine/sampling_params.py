@@ -47,6 +47,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: "StructuredOutputsParams | None" = None   # constrained decoding (structured_outputs.md)
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (OpenAI's)
+    allowed_token_ids: list[int] | None = None   # vLLM's: only these tokens may be drawn
+    logprob_token_ids: list[int] | None = None   # vLLM's: report these tokens' logprobs (not the top-k)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -116,6 +118,12 @@ class SamplingParams:
                 isinstance(self.logit_bias, dict)
                 and all(is_int(t) and t >= 0 and is_num(b) for t, b in self.logit_bias.items())):
             fail("logit_bias must map token ids to finite numbers", "logit_bias")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and (not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids)):
+                fail(f"{name} must be a non-empty list of token ids", name)
+        if self.logprob_token_ids is not None and self.use_beam_search:
+            fail("logprob_token_ids is not supported with beam search", "logprob_token_ids")
         if self.early_stopping not in (True, False, "never"):
             fail(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}", "early_stopping")
         if self.use_beam_search:

@@ -247,3 +247,49 @@ def test_bad_prompt_logprobs_are_400(api_server: ServerProcess, path: str, body:
     r = _post(api_server, path, {"max_tokens": 1, **body})
     err = assert_openai_error(r.status_code, r.text, 400, param="prompt_logprobs")
     assert fragment in err["message"], err
+
+
+def test_allowed_token_ids_restrict_every_draw(client: openai.OpenAI) -> None:
+    for temperature in (0, 1.5):
+        r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=temperature, seed=1,
+                                      extra_body={"allowed_token_ids": [42, 77], "ignore_eos": True,
+                                                  "return_token_ids": True})
+        assert r.choices[0].model_extra["token_ids"] and set(r.choices[0].model_extra["token_ids"]) <= {42, 77}
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, temperature=0,
+                                          extra_body={"allowed_token_ids": [42], "ignore_eos": True,
+                                                      "return_token_ids": True})
+    assert chat.choices[0].model_extra["token_ids"] == [42, 42, 42]
+
+
+def test_logprob_token_ids_report_the_named_tokens_and_the_sampled_one(client: openai.OpenAI) -> None:
+    named = [100, 1000, 5000]
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, temperature=0, logprobs=True,
+                                          top_logprobs=5, extra_body={"logprob_token_ids": named,
+                                                                      "allowed_token_ids": [42],
+                                                                      "return_tokens_as_token_ids": True})
+    entry = chat.choices[0].logprobs.content[0]
+    assert entry.token == "token_id:42"
+    assert {t.token for t in entry.top_logprobs} == {f"token_id:{t}" for t in [*named, 42]}
+    # each named logprob is the model's own: the logprob token 1000 gets when it is the one drawn
+    forced = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1, temperature=0, logprobs=True,
+                                            extra_body={"allowed_token_ids": [1000]})
+    reported = {t.token: t.logprob for t in entry.top_logprobs}
+    assert reported["token_id:1000"] == pytest.approx(forced.choices[0].logprobs.content[0].logprob, abs=1e-4)
+    comp = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0, logprobs=5,
+                                     extra_body={"logprob_token_ids": [100], "return_tokens_as_token_ids": True})
+    lp = comp.choices[0].logprobs
+    for token, top in zip(lp.tokens, lp.top_logprobs):
+        assert set(top) == {token, "token_id:100"}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": USER, "logprob_token_ids": [1]}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 1, "logprob_token_ids": [10 ** 6]}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "echo": True, "max_tokens": 0, "logprobs": 1, "logprob_token_ids": [1]},
+     "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": USER, "allowed_token_ids": [10 ** 6]}, "allowed_token_ids"),
+])
+def test_bad_token_id_lists_are_400(api_server: ServerProcess, path: str, body: dict, param: str) -> None:
+    r = _post(api_server, path, {"max_tokens": 1, **body})
+    assert_openai_error(r.status_code, r.text, 400, param=param)
