@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .api_key import APIKeyMiddleware, key_matches, unauthorized
 from .chat import create_chat_completion
+from .chat_batch import BatchChatCompletionRequest, create_chat_batch
 from .completions import create_completion
 from .debug import kv_blocks_report
 from .drain_cutoff import DrainCutoffMiddleware
@@ -117,6 +118,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     # Each names its body model for the OpenAPI document only (openapi.py); parsing stays in serving.py.
     routes = (("/v1/completions", create_completion, CompletionRequest),
               ("/v1/chat/completions", create_chat_completion, ChatCompletionRequest),
+              ("/v1/chat/completions/batch", create_chat_batch, BatchChatCompletionRequest),
               ("/tokenize", tokenize, TokenizeRequest), ("/detokenize", detokenize, DetokenizeRequest),
               ("/v1/load_lora_adapter", load_lora_adapter, LoadLoRAAdapterRequest),
               ("/v1/unload_lora_adapter", unload_lora_adapter, UnloadLoRAAdapterRequest))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -24,10 +26,18 @@ from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_
 from .tool_calling import ToolPlan, finish_reason, plan_tools, response_tool_calls
 
 
-async def create_chat_completion(serving: OpenAIServing, request: Request,
-                                 req: ChatCompletionRequest | None = None) -> Response:
-    """``req``: the body already parsed (/invocations reads it to pick the endpoint)."""
-    req = req or await serving.parse_body(request, ChatCompletionRequest)
+@dataclass
+class PreparedChat:
+    """A chat request checked and rendered, ready for the engine."""
+    params: SamplingParams
+    plan: ToolPlan
+    ids: list[int]
+    thinking: ReasoningPlan | None
+    lora: Any
+
+
+async def prepare_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> PreparedChat:
+    """Every check that can refuse the request (400s naming the field), then the prompt."""
     lora = serving.check_model(req.model)
     cfg = serving.config
     plan = plan_tools(req.tools, req.tool_choice, cfg.tool_call_parser, cfg.enable_auto_tool_choice,
@@ -47,6 +57,16 @@ async def create_chat_completion(serving: OpenAIServing, request: Request,
     thinking = plan_reasoning(cfg.reasoning_parser, prompt_text, include=req.include_reasoning,
                               template_kwargs=req.chat_template_kwargs,
                               constrained=params.structured_outputs is not None)
+    return PreparedChat(params, plan, ids, thinking, lora)
+
+
+async def create_chat_completion(serving: OpenAIServing, request: Request,
+                                 req: ChatCompletionRequest | None = None) -> Response:
+    """``req``: the body already parsed (/invocations reads it to pick the endpoint)."""
+    req = req or await serving.parse_body(request, ChatCompletionRequest)
+    prepared = await prepare_chat(serving, req)
+    params, plan, ids, thinking, lora = (prepared.params, prepared.plan, prepared.ids, prepared.thinking,
+                                         prepared.lora)
     request_id = random_id("chatcmpl")
     group = await serving.submit(serving.build_subs(request_id, [ids], params, req.cache_salt, lora), req.priority)
     request.state.log_info = f"id={request_id}"
@@ -58,11 +78,11 @@ async def create_chat_completion(serving: OpenAIServing, request: Request,
 
     final = await serving.collect(group, request)
     outputs = sorted(final[0].outputs, key=lambda o: o.index)
-    answers = [_choice(serving, req, o, plan, params, thinking) for o in outputs]
+    answers = [build_choice(serving, req, o, plan, params, thinking) for o in outputs]
     choices = [choice for choice, _ in answers]
     completion_tokens = sum(len(o.token_ids) for o in final[0].outputs)
     usage = serving.usage(len(ids), completion_tokens, final[0].num_cached_tokens,
-                          reasoning_tokens=_reasoning_tokens(serving, [r for _, r in answers]))
+                          reasoning_tokens=reasoning_token_count(serving, [r for _, r in answers]))
     serving.set_log_info(request, request_id, len(ids), completion_tokens,
                          ",".join(sorted({c.finish_reason or "-" for c in choices})))
     resp = ChatCompletionResponse(id=request_id, created=created, model=req.model or serving.model_name, choices=choices,
@@ -82,7 +102,7 @@ def echoed_content(req: ChatCompletionRequest) -> str:
     return last.text() if last.role == answer_role else ""
 
 
-def _reasoning_tokens(serving: OpenAIServing, texts: list[str | None]) -> int | None:
+def reasoning_token_count(serving: OpenAIServing, texts: list[str | None]) -> int | None:
     """usage's reasoning_tokens with --reasoning-parser (None without): the thinking text's token count."""
     if serving.config.reasoning_parser is None:
         return None
@@ -94,7 +114,7 @@ def _hides_reasoning(thinking: ReasoningPlan | None) -> bool:
     return thinking is not None and not thinking.include
 
 
-def _choice(serving: OpenAIServing, req: ChatCompletionRequest, o: CompletionOutput, plan: ToolPlan,
+def build_choice(serving: OpenAIServing, req: ChatCompletionRequest, o: CompletionOutput, plan: ToolPlan,
             params: SamplingParams, thinking: ReasoningPlan | None) -> tuple[ChatCompletionChoice, str | None]:
     """The choice, and its reasoning (counted in usage even when include_reasoning drops it)."""
     as_ids = serving.tokens_as_ids(req.return_tokens_as_token_ids)
@@ -173,7 +193,7 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
                 cached_tokens = out.num_cached_tokens
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))
         if include_usage:
-            reasoning_tokens = _reasoning_tokens(serving, [s.reasoning_text for s in streams])
+            reasoning_tokens = reasoning_token_count(serving, [s.reasoning_text for s in streams])
             yield usage_chunk(ChatCompletionStreamResponse, request_id, created, model,
                               serving.usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens))
 

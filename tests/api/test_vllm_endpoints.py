@@ -82,3 +82,40 @@ def test_load_counts_requests_in_progress(vllm_server: ServerProcess, api_server
     # without --enable-server-load-tracking, /load is there and stays 0 (as in vLLM)
     r = httpx.get(api_server.base_url + "/load", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
     assert r.json() == {"server_load": 0}
+
+
+def test_chat_batch_answers_each_conversation_as_its_own_chat(api_server: ServerProcess) -> None:
+    """vLLM's /v1/chat/completions/batch: choice i is what /v1/chat/completions answers conversation i."""
+    conversations = [[{"role": "user", "content": "Name a colour."}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}]]
+    common = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    r = httpx.post(api_server.base_url + "/v1/chat/completions/batch", headers=api_server.headers, timeout=60,
+                   json={"messages": conversations, **common})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and [c["index"] for c in body["choices"]] == [0, 1]
+    prompt_tokens = 0
+    for conversation, choice in zip(conversations, body["choices"]):
+        single = httpx.post(api_server.base_url + "/v1/chat/completions", headers=api_server.headers, timeout=60,
+                            json={"messages": conversation, **common}).json()
+        assert choice["message"] == single["choices"][0]["message"]
+        assert choice["logprobs"] == single["choices"][0]["logprobs"]
+        prompt_tokens += single["usage"]["prompt_tokens"]
+    assert body["usage"]["prompt_tokens"] == prompt_tokens and body["usage"]["completion_tokens"] == 12
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"),
+    ({"n": 2}, "n"),
+    ({"use_beam_search": True, "n": 1, "best_of": 2}, "use_beam_search"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"messages": []}, "messages"),
+    ({"messages": [[]]}, "messages.0"),
+    ({"messages": [[{"role": "user", "content": "hi"}]], "temperature": -1}, "temperature"),
+])
+def test_chat_batch_refuses_what_it_cannot_answer(api_server: ServerProcess, extra: dict, param: str) -> None:
+    body = {"messages": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]], "max_tokens": 2,
+            **extra}
+    r = httpx.post(api_server.base_url + "/v1/chat/completions/batch", headers=api_server.headers, timeout=60,
+                   json=body)
+    assert_openai_error(r.status_code, r.text, 400, param=param)
