@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from raw_http import connect, post_head, send_raw, trickle
-from support import assert_openai_error
+from support import assert_openai_error, wait_until
 from .conftest import ServerProcess
 
 MODEL = "tiny-smol"
@@ -136,6 +136,14 @@ def test_connections_past_the_limit_get_503_then_recover(limited: ServerProcess)
     assert httpx.get(limited.base_url + "/v1/models", timeout=10).status_code == 200
 
 
+def _running(srv: ServerProcess) -> int:
+    """vLLM's gauge of the requests in the engine's running batch, read from /metrics."""
+    for line in httpx.get(srv.base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_requests_running{"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("/metrics has no vllm:num_requests_running")
+
+
 def test_stream_idle_timeout_ends_a_queued_stream_with_an_error_event(limited: ServerProcess) -> None:
     """With one sequence slot busy for longer than --stream-idle-timeout, a queued stream sends nothing:
     it is ended with an error event and [DONE], and aborted (no blocks held afterwards)."""
@@ -145,7 +153,8 @@ def test_stream_idle_timeout_ends_a_queued_stream_with_an_error_event(limited: S
     blocker = threading.Thread(target=lambda: httpx.post(limited.base_url + C, timeout=60, json={
         "model": MODEL, "prompt": "block", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}))
     blocker.start()
-    time.sleep(0.05)
+    # the blocker must hold the slot before the stream arrives (on a busy machine 50 ms was not enough)
+    wait_until(lambda: _running(limited) == 1, timeout=30, interval=0.01)
     with httpx.stream("POST", limited.base_url + C, timeout=30, json={
             "model": MODEL, "prompt": "queued", "max_tokens": 4, "stream": True}) as r:
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
