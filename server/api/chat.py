@@ -139,7 +139,7 @@ def build_choice(serving: OpenAIServing, req: ChatCompletionRequest, o: Completi
 def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionRequest, group: RequestGroup,
                 request_id: str, created: int, prompt_ids: list[int], params: SamplingParams,
                 plan: ToolPlan, thinking: ReasoningPlan | None) -> AsyncIterator[str]:
-    include_usage, continuous_usage = usage_options(req.stream_options)
+    include_usage, continuous_usage = usage_options(req.stream_options, serving.config.enable_force_include_usage)
     hide = _hides_reasoning(thinking)
     model = req.model or serving.model_name
     top_n = params.logprobs or 0
@@ -178,17 +178,18 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
                 if hide:
                     delta.reasoning = None
                 token_ids = list(new_ids) if req.return_token_ids and new_ids and not hide else None
+                # vLLM's: the last piece of the answer and its finish_reason come in one chunk
+                reason = finish_reason(o.finish_reason, stream.called) if finished else None
+                ending = {"finish_reason": reason, "stop_reason": o.stop_reason} if finished else {}
                 if delta.content or delta.tool_calls or delta.reasoning or lp is not None or token_ids:
                     yield chunk(ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=lp,
-                                                           token_ids=token_ids), len(o.token_ids))
-                if not finished:
-                    continue
-                completion_tokens += len(o.token_ids)
-                reason = finish_reason(o.finish_reason, stream.called)
-                finishes.add(reason or "-")
-                yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(),
-                                                       finish_reason=reason, stop_reason=o.stop_reason),
-                            len(o.token_ids))
+                                                           token_ids=token_ids, **ending), len(o.token_ids))
+                elif finished:
+                    yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(), **ending),
+                                len(o.token_ids))
+                if finished:
+                    completion_tokens += len(o.token_ids)
+                    finishes.add(reason or "-")
             if out.finished:
                 cached_tokens = out.num_cached_tokens
         serving.set_log_info(request, request_id, prompt_tokens, completion_tokens, ",".join(sorted(finishes)))

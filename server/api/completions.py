@@ -95,7 +95,7 @@ class _CompletionChunks:
         self.serving, self.req, self.request_id, self.created = serving, req, request_id, created
         self.model = req.model or serving.model_name
         self.tokenized, self.n = tokenized, n
-        self.continuous_usage = usage_options(req.stream_options)[1]
+        self.continuous_usage = usage_options(req.stream_options, serving.config.enable_force_include_usage)[1]
         self.as_ids = serving.tokens_as_ids(req.return_tokens_as_token_ids)
         self.prompt_ids_sent: set[int] = set()
 
@@ -123,7 +123,7 @@ class _CompletionChunks:
 def stream_completion(serving: OpenAIServing, request: Request, req: CompletionRequest, group: RequestGroup,
                        request_id: str, created: int, tokenized: list[tuple[list[int], str | None]],
                        params: SamplingParams) -> AsyncIterator[str]:
-    include_usage = usage_options(req.stream_options)[0]
+    include_usage = usage_options(req.stream_options, serving.config.enable_force_include_usage)[0]
     n = params.n
     top_n = params.logprobs or 0
     chunks = _CompletionChunks(serving, req, request_id, created, tokenized, n)

@@ -142,14 +142,13 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     range is the server's to check (it knows the vocabulary)."""
     if not bias:
         return None
+    bad = [key for key in bias if not (key.isascii() and key.isdigit())]
+    if bad:   # every bad key at once, so one correction fixes the request
+        raise SamplingParamsError(f"logit_bias keys must be token ids, got {', '.join(map(repr, bad))}",
+                                  "logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-        if token < 0:
-            raise SamplingParamsError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token = int(key)
         out[token] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(value)))
     return out
 

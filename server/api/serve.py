@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_server_load_tracking=args.enable_server_load_tracking,
+                          enable_force_include_usage=args.enable_force_include_usage,
                           reasoning_parser=args.reasoning_parser)
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, args.host, args.port,

@@ -66,6 +66,7 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
+    enable_force_include_usage: bool = False   # vLLM's: every stream carries usage, on every chunk
     reasoning_parser: str | None = None   # --reasoning-parser: chat answers split off their thinking (reasoning/)
 
 

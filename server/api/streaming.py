@@ -62,8 +62,11 @@ def usage_chunk(response_cls: type[BaseModel], request_id: str, created: int, mo
     return sse(response_cls(id=request_id, created=created, model=model, choices=[], usage=usage))
 
 
-def usage_options(stream_options: Any) -> tuple[bool, bool]:
-    """(a final usage chunk, usage on every chunk): vLLM's continuous_usage_stats counts only with include_usage."""
+def usage_options(stream_options: Any, force: bool = False) -> tuple[bool, bool]:
+    """(a final usage chunk, usage on every chunk): vLLM's continuous_usage_stats counts only with include_usage;
+    ``force`` (--enable-force-include-usage) turns both on whatever the request says, as vLLM does."""
+    if force:
+        return True, True
     include = bool(stream_options and stream_options.include_usage)
     return include, include and bool(stream_options.continuous_usage_stats)
 

@@ -58,6 +58,8 @@ def add_vllm_flag_arguments(parser: argparse.ArgumentParser) -> None:
       help="serve GET /tokenizer_info: the tokenizer's configuration and chat template")
     a("--enable-server-load-tracking", action="store_true",
       help="GET /load reports the model requests in progress")
+    a("--enable-force-include-usage", action="store_true",
+      help="every stream carries usage: on each chunk and in a final usage chunk, whatever stream_options say")
     a("--structured-outputs-config.backend", dest="structured_outputs_backend", default=None,
       choices=STRUCTURED_OUTPUT_BACKENDS, help=f"accepted; structured outputs always use {OUR_STRUCTURED_OUTPUT_BACKEND}")
     a("--runner", default=None, choices=("auto", "generate", "pooling", "draft"),

@@ -108,7 +108,7 @@ VLLM_COMMAND_LINE = (
     "--enable-prompt-tokens-details", "--structured-outputs-config.backend", "guidance", "--runner", "generate",
     "--max-cpu-loras", "2", "--load-format", "auto", "--no-enable-chunked-prefill", "--enable-prefix-caching",
     "--disable-frontend-multiprocessing", "--return-tokens-as-token-ids", "--max-logprobs", "151936",
-    "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking",
+    "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking", "--enable-force-include-usage",
 )
 
 

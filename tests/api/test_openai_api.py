@@ -125,6 +125,15 @@ def test_streamed_completion_matches_unstreamed_and_ends_with_usage(client: open
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_streamed_chat_ends_its_last_piece_with_the_finish_reason(client: openai.OpenAI) -> None:
+    """vLLM's: the last token's text and finish_reason come in one chunk (clients read content there)."""
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=6, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "length" and last.delta.content
+
+
 def test_streamed_chat_deltas_open_with_role_and_close_with_finish(client: openai.OpenAI) -> None:
     msgs = [{"role": "user", "content": "Tell me something"}]
     whole = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
@@ -135,6 +144,7 @@ def test_streamed_chat_deltas_open_with_role_and_close_with_finish(client: opena
     body = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].delta.content or "" for c in body) == whole.choices[0].message.content
     assert body[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 

@@ -2,6 +2,7 @@
 or refused with a message (docs/vllm_compat.md); VLLM_API_KEY guards like --api-key."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,16 @@ def test_no_effect_notes_only_for_flags_given() -> None:
     assert len(notes) == 2 and all("has no effect here" in n for n in notes)
     assert parser.parse_args(["--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parser.parse_args(["--enable-prefix-caching"]).enable_prefix_caching is True
+
+
+def test_force_include_usage_puts_usage_on_every_chunk(vllm_server: ServerProcess, api_server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True, "ignore_eos": True}
+    r = httpx.post(vllm_server.base_url + "/v1/chat/completions", headers=AUTH, timeout=60,
+                   json={"model": MODEL, **body})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert chunks and all(c["usage"] is not None for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    plain = httpx.post(api_server.base_url + "/v1/chat/completions", headers=api_server.headers, timeout=60,
+                       json={"model": "tiny-smol", **body})
+    assert all(json.loads(line[6:]).get("usage") is None for line in plain.text.splitlines()
+               if line.startswith("data: {"))

@@ -293,3 +293,10 @@ def test_logprob_token_ids_report_the_named_tokens_and_the_sampled_one(client: o
 def test_bad_token_id_lists_are_400(api_server: ServerProcess, path: str, body: dict, param: str) -> None:
     r = _post(api_server, path, {"max_tokens": 1, **body})
     assert_openai_error(r.status_code, r.text, 400, param=param)
+
+
+def test_logit_bias_names_every_key_that_is_not_a_token_id(api_server: ServerProcess) -> None:
+    r = _post(api_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1,
+                                               "logit_bias": {"bad1": 1, "5": 2, "bad2": 3, "-1": 4}})
+    err = assert_openai_error(r.status_code, r.text, 400, param="logit_bias")
+    assert all(key in err["message"] for key in ("'bad1'", "'bad2'", "'-1'")) and "'5'" not in err["message"]
