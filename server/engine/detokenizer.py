@@ -2,7 +2,8 @@
 
 Decoding a window that starts a few tokens back keeps tokenizer-specific spacing right (a word-start
 marker depends on its neighbour); text ending in U+FFFD means the window stops inside a multi-byte
-character, so it is held back until the next token completes it.
+character, so it is held back until the next token completes it (or, at the sequence's end, appended
+as decoded).
 """
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ _CONTEXT_TOKENS = 5
 def init_offsets(seq: Sequence) -> None:
     seq.read_offset = seq.num_prompt_tokens
     seq.prefix_offset = max(seq.num_prompt_tokens - _CONTEXT_TOKENS, 0)
+
+
+def flush_held_text(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
+    """At the end of a sequence: the text still held back (a character cut by the last token) is appended
+    as the full decode renders it (with U+FFFD), so the text is the decode of the tokens, as in vLLM."""
+    ids = seq.token_ids
+    if seq.read_offset >= len(ids):
+        return ""
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+    new_text = full[len(prefix):]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    seq.output_text += new_text
+    return new_text
 
 
 def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:

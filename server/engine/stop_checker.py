@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .detokenizer import detokenize_incrementally
+from .detokenizer import detokenize_incrementally, flush_held_text
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -20,7 +20,13 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def after_token(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
-        """Extend ``seq``'s text by its newest token and mark it finished if a stop condition holds."""
+        """Extend ``seq``'s text by its newest token and mark it finished if a stop condition holds; a finished
+        sequence's text is the decode of its tokens (a stop string's cut aside)."""
+        self._check(group, seq, token)
+        if seq.is_finished and not isinstance(seq.stop_reason, str):   # a stop string cut the text itself
+            flush_held_text(self.tokenizer, seq, group.params.skip_special_tokens)
+
+    def _check(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
         detokenize_incrementally(self.tokenizer, seq, group.params.skip_special_tokens)
         p = group.params
         # a grammar that let EOS through has ended: that stops even an ignore_eos request

@@ -39,3 +39,19 @@ def test_streamed_text_equals_full_decode(tokenizer, text):
     assert "".join(pieces) == seq.output_text == tokenizer.decode(output)
     if any(ord(c) > 0xFFFF for c in text):   # 4-byte characters take several tokens: some steps add nothing
         assert "" in pieces
+
+
+def test_a_character_cut_by_the_last_token_is_flushed_as_decoded(tokenizer):
+    """At a sequence's end its text is the decode of its tokens (vLLM's): a cut character shows as U+FFFD."""
+    from pagedmodel.server.engine.detokenizer import flush_held_text
+
+    prompt = tokenizer("Say:").input_ids
+    output = tokenizer(" cat 🐱🐶", add_special_tokens=False).input_ids[:-1]   # the dog's last byte cut off
+    seq = Sequence(list(prompt), len(prompt))
+    init_offsets(seq)
+    for token in output:
+        seq.token_ids.append(token)
+        detokenize_incrementally(tokenizer, seq)
+    assert seq.output_text == " cat 🐱"   # held back while the sequence may go on
+    assert flush_held_text(tokenizer, seq).endswith("\ufffd")
+    assert seq.output_text == tokenizer.decode(output) and flush_held_text(tokenizer, seq) == ""
