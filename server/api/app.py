@@ -92,7 +92,8 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
         finally:
             serving.close()
 
-    app = FastAPI(title="pagedmodel", lifespan=lifespan, docs_url=None, redoc_url=None,
+    # --root-path on the app, not uvicorn: paths with the proxy's prefix and without it both route, as in vLLM
+    app = FastAPI(title="pagedmodel", lifespan=lifespan, docs_url=None, redoc_url=None, root_path=config.root_path,
                   openapi_url="/openapi.json")
     app.state.serving = serving
     install_error_handlers(app)

@@ -50,7 +50,7 @@ class _GracefulServer:
     """uvicorn.Server whose SIGTERM ends the process with status 0 after draining, as Kubernetes expects."""
 
     def __init__(self, app: FastAPI, host: str, port: int, shutdown_timeout: float, log_level: str,
-                 limits: HTTPLimits | None = None, root_path: str = ""):
+                 limits: HTTPLimits | None = None):
         import uvicorn
         limits = limits or HTTPLimits()
         # h11 with our protocol (http_protocol.py): header size, head timeout and connection limits as JSON
@@ -58,7 +58,7 @@ class _GracefulServer:
         self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                      timeout_graceful_shutdown=max(0.0, shutdown_timeout), lifespan="on",
                                      http=limited_protocol(limits), h11_max_incomplete_event_size=limits.max_header_bytes,
-                                     timeout_keep_alive=limits.keep_alive_timeout, root_path=root_path)
+                                     timeout_keep_alive=limits.keep_alive_timeout)
         self.server = uvicorn.Server(self.config)
         self.app = app
 
@@ -156,10 +156,10 @@ def run(args: argparse.Namespace) -> int:
                           enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           enable_server_load_tracking=args.enable_server_load_tracking,
                           enable_force_include_usage=args.enable_force_include_usage,
+                          root_path=args.root_path or "",
                           reasoning_parser=args.reasoning_parser)
     app = build_app(engine, config)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, args.host, args.port,
                 engine.max_model_len)
-    _GracefulServer(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits,
-                    root_path=args.root_path or "").run()
+    _GracefulServer(app, args.host, args.port, args.shutdown_timeout, args.log_level, limits).run()
     return 0

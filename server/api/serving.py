@@ -67,6 +67,7 @@ class ServerConfig:
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
     enable_force_include_usage: bool = False   # vLLM's: every stream carries usage, on every chunk
+    root_path: str = ""   # --root-path: the prefix a proxy serves the app under
     reasoning_parser: str | None = None   # --reasoning-parser: chat answers split off their thinking (reasoning/)
 
 

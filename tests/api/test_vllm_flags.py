@@ -62,6 +62,11 @@ def test_request_id_header_echoes_the_clients_or_makes_one(vllm_server: ServerPr
 def test_root_path_is_the_apps_prefix(vllm_server: ServerProcess) -> None:
     doc = httpx.get(vllm_server.base_url + "/openapi.json", headers=AUTH, timeout=10).json()
     assert doc["servers"] == [{"url": "/proxy"}]
+    # as in vLLM, the routes answer with the proxy's prefix and without it (a proxy may or may not strip it)
+    for prefix in ("", "/proxy"):
+        r = httpx.get(vllm_server.base_url + prefix + "/v1/models", headers=AUTH, timeout=10)
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL, prefix
+        assert httpx.get(vllm_server.base_url + prefix + "/v1/models", timeout=10).status_code == 401
 
 
 def test_prompt_tokens_details_and_tokens_as_ids_by_flag(vllm_server: ServerProcess) -> None:
