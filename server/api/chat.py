@@ -53,7 +53,13 @@ async def prepare_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> Pr
                                                  add_generation_prompt=req.add_generation_prompt,
                                                  continue_final_message=req.continue_final_message,
                                                  template_kwargs=req.chat_template_kwargs)
-    serving.check_prompt(ids, params, param="messages")
+    try:
+        forwarded = req.forwarded_prompt_ids()
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    if forwarded is not None:   # vLLM's decode side of a disaggregated prefill: the prefill's own prompt
+        ids = forwarded
+    serving.check_prompt(ids, params, param="messages" if forwarded is None else "kv_transfer_params.prompt_token_ids")
     thinking = plan_reasoning(cfg.reasoning_parser, prompt_text, include=req.include_reasoning,
                               template_kwargs=req.chat_template_kwargs,
                               constrained=params.structured_outputs is not None)

@@ -271,6 +271,18 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: LaxBool = False   # vLLM's: the answer starts with the last message's content when it is the answer's role
     include_reasoning: LaxBool = True   # vLLM's: false drops `reasoning` (with --reasoning-parser)
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: extra variables for the chat template
+    # vLLM's disaggregated decode: {"prompt_token_ids": [...]} is the prompt as the prefill side rendered it
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def forwarded_prompt_ids(self) -> list[int] | None:
+        """kv_transfer_params.prompt_token_ids, used verbatim in place of rendering the messages."""
+        ids = (self.kv_transfer_params or {}).get("prompt_token_ids")
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+            raise SamplingParamsError("kv_transfer_params.prompt_token_ids must be a non-empty list of token ids",
+                                      "kv_transfer_params.prompt_token_ids")
+        return ids
 
     def to_sampling_params(self, vocab_size: int = 0, max_logprobs: int | None = None) -> SamplingParams:
         """``vocab_size`` and ``max_logprobs`` resolve vLLM's ``top_logprobs: -1`` (the whole vocabulary)."""

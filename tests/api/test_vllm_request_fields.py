@@ -300,3 +300,21 @@ def test_logit_bias_names_every_key_that_is_not_a_token_id(api_server: ServerPro
                                                "logit_bias": {"bad1": 1, "5": 2, "bad2": 3, "-1": 4}})
     err = assert_openai_error(r.status_code, r.text, 400, param="logit_bias")
     assert all(key in err["message"] for key in ("'bad1'", "'bad2'", "'-1'")) and "'5'" not in err["message"]
+
+
+def test_kv_transfer_prompt_token_ids_replace_the_rendered_messages(client: openai.OpenAI,
+                                                                    api_server: ServerProcess) -> None:
+    """vLLM's decode side of a disaggregated prefill: the forwarded ids are the prompt, verbatim."""
+    first = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = first.model_extra["prompt_token_ids"]
+    other = [{"role": "user", "content": "Something else entirely, and longer than that."}]
+    reused = client.chat.completions.create(model=MODEL, messages=other, max_tokens=4, temperature=0,
+                                            extra_body={"kv_transfer_params": {"prompt_token_ids": ids},
+                                                        "return_token_ids": True, "ignore_eos": True})
+    assert reused.model_extra["prompt_token_ids"] == ids
+    assert reused.choices[0].message.content == first.choices[0].message.content
+    for bad in ([], ["a"], [10 ** 7]):
+        r = _post(api_server, "/v1/chat/completions", {"messages": USER, "max_tokens": 1,
+                                                      "kv_transfer_params": {"prompt_token_ids": bad}})
+        assert_openai_error(r.status_code, r.text, 400, param="kv_transfer_params.prompt_token_ids")
