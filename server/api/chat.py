@@ -55,6 +55,7 @@ async def prepare_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> Pr
                                                  template_kwargs=req.chat_template_kwargs)
     try:
         forwarded = req.forwarded_prompt_ids()
+        ids = req.truncated(ids, serving.max_model_len)
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     if forwarded is not None:   # vLLM's decode side of a disaggregated prefill: the prefill's own prompt

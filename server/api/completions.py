@@ -30,6 +30,11 @@ async def prepare_completion(serving: OpenAIServing, req: CompletionRequest
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
     tokenized = [await serving.tokenize_prompt(p) for p in prompts]
+    try:   # a cut prompt's echo is the decode of what is left of it
+        cuts = [(req.truncated(ids, serving.max_model_len), ids, text) for ids, text in tokenized]
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    tokenized = [(cut, text if cut is ids else None) for cut, ids, text in cuts]
     for ids, _ in tokenized:
         serving.check_prompt(ids, params)
     serving.check_logit_bias(params)

@@ -70,6 +70,22 @@ class _SamplingRequest(StructuredOutputsFields):
     return_tokens_as_token_ids: LaxBool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     prompt_logprobs: StrictInt | None = None           # vLLM's: each prompt token's logprob and the top n
     allowed_token_ids: list[StrictInt] | None = None   # vLLM's: only these tokens may be drawn
+    truncate_prompt_tokens: StrictInt | None = None    # vLLM's: keep k prompt tokens (-1: the context length)
+    truncation_side: Literal["left", "right"] | None = None   # which end loses tokens (default: the left)
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt cut to ``truncate_prompt_tokens`` (vLLM's: from the left unless truncation_side says)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = max_model_len
+        if k < 1 or k > max_model_len:
+            raise SamplingParamsError(f"truncate_prompt_tokens must be -1 or between 1 and the context length "
+                                      f"({max_model_len}), got {self.truncate_prompt_tokens}", "truncate_prompt_tokens")
+        if len(ids) <= k:
+            return ids
+        return ids[:k] if self.truncation_side == "right" else ids[len(ids) - k:]
     logprob_token_ids: list[StrictInt] | None = None   # vLLM's: these tokens' logprobs instead of the top n
 
     def _prompt_logprobs(self, vocab_size: int, max_logprobs: int | None, default: int | None) -> int | None:

@@ -318,3 +318,23 @@ def test_kv_transfer_prompt_token_ids_replace_the_rendered_messages(client: open
         r = _post(api_server, "/v1/chat/completions", {"messages": USER, "max_tokens": 1,
                                                       "kv_transfer_params": {"prompt_token_ids": bad}})
         assert_openai_error(r.status_code, r.text, 400, param="kv_transfer_params.prompt_token_ids")
+
+
+def test_truncate_prompt_tokens_keeps_the_side_asked_for(client: openai.OpenAI, api_server: ServerProcess) -> None:
+    ids = list(range(100, 108))
+    for side, kept in ((None, ids[-4:]), ("left", ids[-4:]), ("right", ids[:4])):
+        extra = {"return_token_ids": True, "truncate_prompt_tokens": 4,
+                 **({"truncation_side": side} if side else {})}
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, extra_body=extra)
+        assert r.choices[0].model_extra["prompt_token_ids"] == kept and r.usage.prompt_tokens == 4
+    # echo gives back what is left of the prompt: the same answer as sending that part alone
+    echo = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, echo=True, temperature=0,
+                                     extra_body={"truncate_prompt_tokens": 2})
+    alone = client.completions.create(model=MODEL, prompt=ids[-2:], max_tokens=1, echo=True, temperature=0)
+    assert echo.choices[0].text == alone.choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1,
+                                          extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True})
+    assert len(chat.model_extra["prompt_token_ids"]) == 3
+    for bad in (0, -2, 10 ** 6):
+        r = _post(api_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "truncate_prompt_tokens": bad})
+        assert_openai_error(r.status_code, r.text, 400, param="truncate_prompt_tokens")
