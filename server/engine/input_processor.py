@@ -105,7 +105,7 @@ class InputProcessor:
             raise InvalidRequestError(f"token ids must be integers, got {bad!r}", param)
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+            raise InvalidRequestError(f"token id {bad} is out of vocabulary: ids are in [0, {self.vocab_size})", param)
         self._check_length(len(ids), params.max_tokens, param)
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
             raise InvalidRequestError("stop_token_ids contains ids outside the vocabulary", "stop_token_ids")

@@ -42,8 +42,8 @@ def test_prompt_forms(inputs, prompt, text, ids, salt):
 @pytest.mark.parametrize("prompt,params,param,message", [
     ([], SamplingParams(), "prompt", "prompt must not be empty"),
     ("", SamplingParams(), "prompt", "prompt must not be empty"),
-    ([3, 100], SamplingParams(), "prompt", r"token id 100 is outside the vocabulary \[0, 100\)"),
-    ([3, -1], SamplingParams(), "prompt", r"token id -1 is outside"),
+    ([3, 100], SamplingParams(), "prompt", r"token id 100 is out of vocabulary: ids are in \[0, 100\)"),
+    ([3, -1], SamplingParams(), "prompt", r"token id -1 is out of vocabulary"),
     ([3, "x"], SamplingParams(), "prompt", "token ids must be integers, got 'x'"),
     ([3, True], SamplingParams(), "prompt", "token ids must be integers, got True"),
     ([1] * 70, SamplingParams(), "prompt", "maximum context length is 64 tokens, but the prompt has 70 tokens"),
