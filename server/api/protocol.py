@@ -70,6 +70,7 @@ class _SamplingRequest(StructuredOutputsFields):
     return_tokens_as_token_ids: LaxBool | None = None  # vLLM's: logprobs name tokens "token_id:N"
     prompt_logprobs: StrictInt | None = None           # vLLM's: each prompt token's logprob and the top n
     allowed_token_ids: list[StrictInt] | None = None   # vLLM's: only these tokens may be drawn
+    logprob_token_ids: list[StrictInt] | None = None   # vLLM's: these tokens' logprobs instead of the top n
     truncate_prompt_tokens: StrictInt | None = None    # vLLM's: keep k prompt tokens (-1: the context length)
     truncation_side: Literal["left", "right"] | None = None   # which end loses tokens (default: the left)
 
@@ -86,7 +87,6 @@ class _SamplingRequest(StructuredOutputsFields):
         if len(ids) <= k:
             return ids
         return ids[:k] if self.truncation_side == "right" else ids[len(ids) - k:]
-    logprob_token_ids: list[StrictInt] | None = None   # vLLM's: these tokens' logprobs instead of the top n
 
     def _prompt_logprobs(self, vocab_size: int, max_logprobs: int | None, default: int | None) -> int | None:
         """vLLM's rules: -1 is the whole vocabulary; a stream cannot carry them (0 asks for none, so it may)."""
