@@ -48,7 +48,7 @@ async def prepare_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> Pr
         params = req.to_sampling_params(serving.tokenizer_size, cfg.limits.max_logprobs)
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
-    serving.check_logit_bias(params)
+    serving.check_token_ids(params)
     params = plan.constrain(params)
     await ensure_compiled(serving, params)   # a schema that cannot compile: 400 before the engine sees it
     ids, prompt_text = await serving.render_chat(req.messages, tools=plan.tools,

@@ -37,7 +37,7 @@ async def prepare_completion(serving: OpenAIServing, req: CompletionRequest
     tokenized = [(cut, text if cut is ids else None) for cut, ids, text in cuts]
     for ids, _ in tokenized:
         serving.check_prompt(ids, params)
-    serving.check_logit_bias(params)
+    serving.check_token_ids(params)
     await ensure_compiled(serving, params)
     return params, tokenized, lora
 

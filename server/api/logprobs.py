@@ -79,12 +79,12 @@ def prompt_logprobs(serving: OpenAIServing, out: RequestOutput, top_n: int | Non
     if out.prompt_logprobs is None:
         return None
     result: PromptLogprobs = []
+    ranks = out.prompt_token_ranks
     for pos, entry in enumerate(out.prompt_logprobs):
         if entry is None:
             result.append(None)
             continue
         token = out.prompt_token_ids[pos]
-        ranks = out.prompt_token_ranks
         scored = {token: PromptLogprob(logprob=finite(entry[token]), rank=ranks[pos] if pos < len(ranks) else None,
                                        decoded_token=token_label(serving, token, as_ids))}
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n or 0]

@@ -322,7 +322,7 @@ class OpenAIServing:
         """How many tokens ``text`` encodes to (usage's reasoning_tokens: the thinking's share of the output)."""
         return len(self._dec_tokenizer(text, add_special_tokens=False).input_ids)
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
+    def check_token_ids(self, params: SamplingParams) -> None:
         """Token ids a request names (logit_bias, allowed_token_ids, logprob_token_ids) must name tokens:
         the sampler would skip others silently."""
         for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or []),
