@@ -48,6 +48,7 @@ class EngineArgs:
     max_loras: int = 1                          # adapters resident (batched together) at once
     max_lora_rank: int = 16
     lora_modules: list[str] | None = None       # "name=path" or '{"name": ..., "path": ...}' loaded at start
+    enable_prompt_embeds: bool = False          # prompts may come as input embeddings (vLLM's flag)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +120,9 @@ class EngineArgs:
         a("--max-lora-rank", type=int, default=d["max_lora_rank"].default, help="highest adapter rank accepted")
         a("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
           help='adapters loaded at start: name=path, or \'{"name": "...", "path": "..."}\'; requests pick one by "model"')
+        a("--enable-prompt-embeds", action="store_true",
+          help="accept prompts as input embeddings: completions' prompt_embeds, chat's prompt_embeds content parts "
+               "(base64 of torch.save of a [num_tokens, hidden_size] tensor)")
         return parser
 
     @classmethod

@@ -1,8 +1,10 @@
 """A request's prompt, checked and tokenized: the one validation the engine and the HTTP server share.
 
-Prompts take vLLM's offline forms: a string, a list of token ids, ``{"prompt": str}`` or
-``{"prompt_token_ids": [...]}``, either dict optionally with ``"cache_salt"`` (prefix-cache entries are
-only shared between requests with the same salt, e.g. per tenant). Every refusal is an
+Prompts take vLLM's offline forms: a string, a list of token ids, ``{"prompt": str}``,
+``{"prompt_token_ids": [...]}`` or, with --enable-prompt-embeds, ``{"prompt_embeds": tensor}`` (the prompt as
+input embeddings, [num_tokens, hidden_size]); each dict optionally with ``"cache_salt"`` (prefix-cache entries
+are only shared between requests with the same salt, e.g. per tenant). The chat API sends text with embedding
+parts as ``{"prompt_token_ids": [...], "prompt_embeds": PromptEmbeds}`` (prompt_embeds.py). Every refusal is an
 InvalidRequestError whose message the API returns as is (HTTP 400), with the parameter it blames and,
 for context-length errors, OpenAI's ``context_length_exceeded`` code.
 """
@@ -11,10 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
+
+from .prompt_embeds import PLACEHOLDER_TOKEN_ID, PromptEmbeds, check_embeds_tensor
 from .sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
-PROMPT_DICT_KEYS = frozenset(PROMPT_KEYS + ("cache_salt",))
+PROMPT_DICT_KEYS = frozenset(PROMPT_KEYS + ("prompt_embeds", "cache_salt"))
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
@@ -29,9 +34,10 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
-    text: str | None          # None when the prompt came as token ids
+    text: str | None          # None when the prompt came as token ids or embeddings
     token_ids: list[int]
     cache_salt: str | None
+    embeds: PromptEmbeds | None = None   # positions whose input is an embedding row (their ids: placeholders)
 
 
 def encode_prompt(tokenizer: Any, text: str, param: str = "prompt") -> list[int]:
@@ -54,8 +60,17 @@ def check_cache_salt(salt: object) -> str | None:
     return salt
 
 
+@dataclass(frozen=True)
+class EmbeddingInput:
+    """What prompt embeddings must look like (--enable-prompt-embeds): the model's hidden size and dtype."""
+    hidden_size: int
+    dtype: torch.dtype
+
+
 class InputProcessor:
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int,
+                 embeddings: EmbeddingInput | None = None):
+        self.embeddings = embeddings   # None: prompt embeddings are refused
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -65,6 +80,8 @@ class InputProcessor:
     def process(self, prompt: object, params: SamplingParams, cache_salt: str | None = None) -> ProcessedPrompt:
         """Parse, tokenize and check one prompt (any of the forms in the module docstring)."""
         if isinstance(prompt, Mapping):
+            if "prompt_embeds" in prompt:
+                return self._process_embeds(prompt, params, cache_salt)
             prompt, cache_salt = self._unpack(prompt, cache_salt)
         if isinstance(prompt, str):
             text, ids = prompt, encode_prompt(self.tokenizer, prompt)
@@ -76,24 +93,57 @@ class InputProcessor:
         self.check_prompt(ids, params)
         return ProcessedPrompt(text, ids, check_cache_salt(cache_salt))
 
+    def _process_embeds(self, prompt: Mapping, params: SamplingParams, cache_salt: str | None) -> ProcessedPrompt:
+        """``{"prompt_embeds": tensor}``, or ids with a PromptEmbeds naming which of them are embeddings."""
+        if self.embeddings is None:
+            raise InvalidRequestError("prompt embeddings need the server started with --enable-prompt-embeds",
+                                      "prompt_embeds")
+        if "prompt" in prompt:
+            raise InvalidRequestError("a prompt dict needs exactly one of 'prompt' and 'prompt_embeds'", "prompt")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs cannot score a prompt given as embeddings", "prompt_logprobs")
+        cache_salt = self._dict_salt(prompt, cache_salt)
+        embeds = prompt["prompt_embeds"]
+        if isinstance(embeds, PromptEmbeds):
+            ids = list(prompt.get("prompt_token_ids") or [])
+            if any(s.end > len(ids) for s in embeds.spans):
+                raise InvalidRequestError("prompt_embeds spans reach past the prompt's token ids", "prompt_embeds")
+        else:
+            if "prompt_token_ids" in prompt:
+                raise InvalidRequestError("'prompt_token_ids' goes with a PromptEmbeds, not a tensor", "prompt")
+            try:
+                rows = check_embeds_tensor(embeds, self.embeddings.hidden_size, self.embeddings.dtype,
+                                           self.max_model_len)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc), "prompt_embeds") from None
+            embeds, ids = PromptEmbeds.whole(rows), [PLACEHOLDER_TOKEN_ID] * rows.shape[0]
+        self.check_prompt(ids, params)
+        return ProcessedPrompt(None, ids, check_cache_salt(cache_salt), embeds)
+
     @staticmethod
-    def _unpack(prompt: Mapping, cache_salt: str | None) -> tuple[object, str | None]:
+    def _dict_salt(prompt: Mapping, cache_salt: str | None) -> str | None:
+        """A prompt dict's cache_salt (or the argument's); refuses unknown fields and a salt given twice."""
         unknown = sorted(map(str, set(prompt) - PROMPT_DICT_KEYS))
         if unknown:
             raise InvalidRequestError(f"unknown prompt field(s) {unknown}; expected {sorted(PROMPT_DICT_KEYS)}",
                                       "prompt")
+        if "cache_salt" in prompt and cache_salt is not None:
+            raise InvalidRequestError("cache_salt is given twice: in the prompt and as an argument", "cache_salt")
+        return prompt.get("cache_salt", cache_salt)
+
+    @classmethod
+    def _unpack(cls, prompt: Mapping, cache_salt: str | None) -> tuple[object, str | None]:
+        cache_salt = cls._dict_salt(prompt, cache_salt)
         given = [k for k in PROMPT_KEYS if k in prompt]
         if len(given) != 1:
             raise InvalidRequestError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'", "prompt")
-        if "cache_salt" in prompt and cache_salt is not None:
-            raise InvalidRequestError("cache_salt is given twice: in the prompt and as an argument", "cache_salt")
         value = prompt[given[0]]
         if given[0] == "prompt" and not isinstance(value, str):
             raise InvalidRequestError(f"'prompt' must be a string, got {type(value).__name__}", "prompt")
         if given[0] == "prompt_token_ids" and not isinstance(value, (list, tuple)):
             raise InvalidRequestError(f"'prompt_token_ids' must be a list of token ids, got {type(value).__name__}",
                                       "prompt")
-        return value, prompt.get("cache_salt", cache_salt)
+        return value, cache_salt
 
     def check_prompt(self, ids: list[int], params: SamplingParams, param: str = "prompt") -> None:
         """Refuse a prompt (token ids) that can never be served with ``params``; ``param`` names the prompt

@@ -29,8 +29,9 @@ class LLM:
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order, with timings in ``.metrics``.
 
-        A prompt is a string, a list of token ids, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
-        (either dict may carry ``"cache_salt"``); pass one or a list of them, as with vLLM.
+        A prompt is a string, a list of token ids, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}`` or,
+        with enable_prompt_embeds, ``{"prompt_embeds": tensor}`` (each dict may carry ``"cache_salt"``); pass
+        one or a list of them, as with vLLM.
         ``lora_request``: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()

@@ -20,7 +20,7 @@ from .beam_search import BeamSearch
 from .detokenizer import init_offsets
 from .device import pick_block_size, pick_device
 from .grammar_compiler import GrammarCompiler
-from .input_processor import InputProcessor, InvalidRequestError
+from .input_processor import EmbeddingInput, InputProcessor, InvalidRequestError
 from .lora.adapter import LoRAAdapter, LoRAError
 from .lora.layers import LoRAState
 from .lora.lora_request import LoRARequest
@@ -55,8 +55,9 @@ class LLMEngine:
         max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         worker = self.worker = Worker(args, mc, max_num_batched_tokens)
         self.model, self.kv_cache, self.backend, self.device = worker.model, worker.kv_cache, worker.backend, worker.device
+        embeddings = EmbeddingInput(mc.hf_config.hidden_size, worker.dtype) if args.enable_prompt_embeds else None
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                              worker.num_blocks, args.block_size)
+                                              worker.num_blocks, args.block_size, embeddings)
         self.scheduler = Scheduler(worker.num_blocks, args.block_size, args.max_num_seqs, max_num_batched_tokens,
                                    StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
                                    enable_prefix_caching=args.enable_prefix_caching,
@@ -101,11 +102,14 @@ class LLMEngine:
         inputs = self.input_processor.process(prompt, params, cache_salt)
         adapter = self._adapter(lora_request)
         salt = (inputs.cache_salt or "").encode()
+        if inputs.embeds is not None:   # cached KV of embedded positions is only theirs (prompt_embeds.py)
+            salt += b"\0embeds:" + inputs.embeds.digest()
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         group = SequenceGroup(request_id, inputs.text, inputs.token_ids, params,
                               RequestMetrics(arrival_time if arrival_time is not None else time.time()),
                               priority=priority, seed=seed,
-                              cache_salt=adapter.cache_salt + b"\0" + salt if adapter else salt, lora=adapter)
+                              cache_salt=adapter.cache_salt + b"\0" + salt if adapter else salt, lora=adapter,
+                              prompt_embeds=inputs.embeds)
         init_offsets(group.seqs[0])
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]   # nothing scores the first prompt token

@@ -140,14 +140,16 @@ class ModelRunner:
         self.kv_cache.copy_blocks(sched.blocks_to_copy)
         input_ids, positions, meta, sample_rows, prompt_spans = self.prepare(sched)
         lora_batch = self._lora_batch(sched) if self.lora is not None else None
+        embeds = self._embed_rows(sched)
         hidden = None
-        if self.graph_runner is not None and lora_batch is None:
+        if self.graph_runner is not None and lora_batch is None and embeds is None:
             hidden = self.graph_runner.run(input_ids, positions, meta)  # None: not a capturable step
         if hidden is None:
             if self.lora is not None:
                 self.lora.batch = lora_batch
-            try:
-                hidden = self._forward(input_ids, positions, meta, compiled=lora_batch is None)
+            try:   # steps with prompt embeddings (rare prefills) run eagerly, outside compiled code
+                hidden = self._forward(input_ids, positions, meta, compiled=lora_batch is None and embeds is None,
+                                       embeds=embeds)
             finally:
                 if self.lora is not None:
                     self.lora.batch = None
@@ -162,13 +164,33 @@ class ModelRunner:
         return out
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, *,
-                 compiled: bool) -> torch.Tensor:
+                 compiled: bool, embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if compiled and self.compiled is not None:
             try:
                 return self.compiled(input_ids, positions, self.kv_cache.layers, meta, self.backend)
             except Exception as exc:   # e.g. a recompile for a new shape failed: this step and the rest eagerly
                 self._compile_failed(exc)   # (the layers it ran rewrite the same cache slots with the same K/V)
+        if embeds is not None:
+            return self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend, embeds=embeds)
         return self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+
+    def _embed_rows(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat rows, their input embeddings) for the step's prompt positions given as embeddings
+        (prompt_embeds.py); None when there are none."""
+        rows: list[int] = []
+        values: list[torch.Tensor] = []
+        offset = 0
+        for s in sched.scheduled:
+            embeds = s.group.prompt_embeds
+            if embeds is not None and s.start < s.seq.num_prompt_tokens:
+                for at, chunk in embeds.rows_between(s.start, s.start + s.num_new_tokens):
+                    rows.extend(range(offset + at, offset + at + chunk.shape[0]))
+                    values.append(chunk)
+            offset += s.num_new_tokens
+        if not rows:
+            return None
+        return (torch.tensor(rows, dtype=torch.long, device=self.device),
+                torch.cat(values).to(self.device, non_blocking=True))
 
     def _lora_batch(self, sched: SchedulerOutput) -> LoRABatch | None:
         """Loads the adapters the scheduler placed in slots this step, and groups the step's token rows

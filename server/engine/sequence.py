@@ -11,6 +11,7 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .lora.adapter import LoRAAdapter
+    from .prompt_embeds import PromptEmbeds
 
 
 class SequenceStatus(enum.Enum):
@@ -104,6 +105,7 @@ class SequenceGroup:
     seed: int = 0                       # the request's seed, or one drawn by the engine
     cache_salt: bytes = b""             # isolates this request's prefix-cache entries (e.g. per tenant)
     lora: LoRAAdapter | None = None     # the adapter it runs under (None: the base model)
+    prompt_embeds: PromptEmbeds | None = None   # prompt positions fed embedding rows, not tokens' (prompt_embeds.py)
     seqs: list[Sequence] = field(default_factory=list)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_order))
     num_cached_tokens: int = 0

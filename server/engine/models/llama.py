@@ -207,8 +207,13 @@ class LlamaForCausalLM(nn.Module):
         self.logits_head: nn.Module | None = None   # a prepacked head for the tied weight (use_packed_linears)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend,
+                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``embeds``: (flat rows, [rows, hidden]) input embeddings that replace those rows' token embeddings
+        (prompts given as embeddings)."""
         x = self.embed_tokens(input_ids)
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         ops = cpu_layer_ops(x)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
