@@ -39,7 +39,6 @@ KNOWN: dict[str, str] = {
     _COMP + "test_completion.py::test_completion_streaming": MODEL + " (SmolLM2 stops before max_tokens)",
     _COMP + "test_completion.py::test_parallel_": MODEL + " (SmolLM2 ends two of three samples at once)",
     # features we do not serve
-    _CHAT + "test_chat_completion_with_prompt_embeds.py": "feature: prompt embeddings (--enable-prompt-embeds)",
     _CHAT + "test_completion_with_function_calling.py::test_function_tool_use[watermarked-":
         "feature: watermarked sampling (--watermark-config)",
     _CHAT + "test_thinking_token_budget.py": "feature: thinking-token budgets (--reasoning-config)",
@@ -48,11 +47,7 @@ KNOWN: dict[str, str] = {
     # multimodal
     _CHAT + "test_extra_content_fields.py": "multimodal: an image-text model (translategemma)",
     _F + "test_openai_schema.py": "multimodal: the whole API of a vision model (SmolVLM)",
-    # message wording
-    _CHAT + "test_chat.py::test_long_seed": "wording: the 400 names the int64 range, not pydantic's error type",
-    _COMP + "test_prompt_validation.py::test_empty_prompt": "wording: the 400 says 'prompt must not be empty'",
     # the shim
-    _F + "models/test_models.py::test_check_models": "shim: root is the local directory SmolLM2 is served from",
 }
 
 NOT_OVER_HTTP: dict[str, str] = {}

@@ -31,9 +31,10 @@ from suite_files import SUITE  # noqa: E402
 
 
 def sdist_tests(version: str, work: Path) -> Path:
-    """vLLM's tests/ from its source distribution, extracted once per version."""
+    """vLLM's tests/ and examples/ (some fixtures read its chat templates) from its source distribution,
+    extracted once per version."""
     root = work / f"vllm-{version}"
-    if (root / "tests" / "utils.py").exists():
+    if (root / "tests" / "utils.py").exists() and (root / "examples").is_dir():
         return root
     index = urllib.request.Request("https://pypi.org/simple/vllm/",
                                    headers={"Accept": "application/vnd.pypi.simple.v1+json"})
@@ -43,7 +44,8 @@ def sdist_tests(version: str, work: Path) -> Path:
     print(f"downloading {url}", flush=True)
     urllib.request.urlretrieve(url, archive)
     with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(f"vllm-{version}/tests/")]
+        members = [m for m in tar.getmembers()
+                   if m.name.startswith((f"vllm-{version}/tests/", f"vllm-{version}/examples/"))]
         tar.extractall(work, members=members, filter="data")
     archive.unlink()
     return root
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = shutil.which("pagedmodel") or f"{sys.executable} -m pagedmodel.cli"
     env = dict(os.environ, PYTHONPATH=str(HERE), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PAGEDMODEL_SUITE_MODEL=str(model_dir), PAGEDMODEL_SUITE_SERVE=serve,
-               PAGEDMODEL_SUITE_ADAPTERS=str(adapters(model_dir, args.work)))
+               PAGEDMODEL_SUITE_ADAPTERS=str(adapters(model_dir, args.work)), PAGEDMODEL_SUITE_WORK=str(args.work))
     results = args.work / "results.json"
     env["PAGEDMODEL_SUITE_RESULTS"] = str(results)
     extra = ["-k", args.keyword] if args.keyword else []

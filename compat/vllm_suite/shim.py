@@ -31,11 +31,32 @@ def local_name(name: Any) -> Any:
     return name
 
 
+HUB_CACHE = os.path.join(os.environ.get("PAGEDMODEL_SUITE_WORK", "/tmp"), "hub-cache")
+
+
+def hub_cache_entry(name: str) -> bool:
+    """Puts the local model in a Hugging Face cache (HUB_CACHE) under the hub id ``name``, as a download
+    would have, so the server is started with the id itself (vLLM reports it as the model's root)."""
+    if "/" not in name or name.count("/") > 1 or os.path.exists(name):
+        return False
+    snapshot = os.path.join(HUB_CACHE, "models--" + name.replace("/", "--"), "snapshots", "local")
+    os.makedirs(snapshot, exist_ok=True)
+    for entry in os.listdir(MODEL_DIR):
+        link = os.path.join(snapshot, entry)
+        if not os.path.lexists(link):
+            os.symlink(os.path.join(MODEL_DIR, entry), link)
+    refs = os.path.join(HUB_CACHE, "models--" + name.replace("/", "--"), "refs")
+    os.makedirs(refs, exist_ok=True)
+    with open(os.path.join(refs, "main"), "w") as f:
+        f.write("local")
+    return True
+
+
 def serve_command(model: str, vllm_args: list[str]) -> list[str]:
     args = list(vllm_args)
     if "--served-model-name" not in args and not any(a.startswith("--served-model-name=") for a in args):
         args += ["--served-model-name", model]
-    return [*shlex.split(SERVE), "serve", local_name(model), *args]
+    return [*shlex.split(SERVE), "serve", model if hub_cache_entry(model) else local_name(model), *args]
 
 
 SERVERS_STARTED = [0]   # servers launched so far: a test that launches one talks HTTP to it
@@ -45,6 +66,7 @@ def _start_server(self, model: str, vllm_serve_args: list[str], env_dict: dict[s
     SERVERS_STARTED[0] += 1
     env = os.environ.copy()
     env.update(env_dict or {})
+    env["HF_HUB_CACHE"] = HUB_CACHE   # hub ids resolve to the local model (hub_cache_entry); nothing downloads
     cmd = serve_command(model, vllm_serve_args)
     print("shim: launching", " ".join(cmd), flush=True)
     self.proc = subprocess.Popen(cmd, env=env, stdout=sys.stdout, stderr=sys.stderr, start_new_session=True)

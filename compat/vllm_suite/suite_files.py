@@ -17,6 +17,7 @@ SUITE = [
     "tests/entrypoints/openai/chat_completion/test_root_path.py",
     "tests/entrypoints/openai/chat_completion/test_thinking_token_budget.py",
     "tests/entrypoints/openai/completion/test_completion.py",
+    "tests/entrypoints/openai/completion/test_completion_with_prompt_embeds.py",
     "tests/entrypoints/openai/completion/test_prompt_validation.py",
     "tests/entrypoints/openai/completion/test_tensorizer_entrypoint.py",
     "tests/entrypoints/openai/completion/test_token_in_token_out.py",

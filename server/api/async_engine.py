@@ -67,6 +67,13 @@ class SubRequest:
     prompt_index: int
     cache_salt: str | None = None   # prefix-cache blocks are shared only within one salt
     lora: Any = None                # the LoRA adapter it runs under (None: the base model)
+    embeds: Any = None              # a PromptEmbeds: prompt positions given as embeddings (None: none)
+
+    def engine_prompt(self) -> Any:
+        """The prompt in the engine's form (input_processor.py)."""
+        if self.embeds is None:
+            return self.prompt
+        return {"prompt_token_ids": self.prompt, "prompt_embeds": self.embeds}
 
 
 class RequestGroup:
@@ -275,7 +282,7 @@ class AsyncEngine:
         try:
             for sub in group.subs:
                 lora = {"lora_request": sub.lora} if sub.lora is not None else {}
-                self.engine.add_request(sub.request_id, sub.prompt, sub.params, arrival_time=cmd.arrival_time,
+                self.engine.add_request(sub.request_id, sub.engine_prompt(), sub.params, arrival_time=cmd.arrival_time,
                                         priority=cmd.priority, cache_salt=sub.cache_salt, **lora)
                 added.append(sub.request_id)
                 self._groups[sub.request_id] = group

@@ -13,7 +13,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedmodel.server.engine.outputs import CompletionOutput
+from pagedmodel.server.engine.prompt_embeds import PromptEmbeds
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
+from . import chat_embeds
 from .async_engine import RequestGroup
 from .chat_output import ChoiceStream, split_choice
 from .errors import APIError
@@ -36,6 +38,7 @@ class PreparedChat:
     ids: list[int]
     thinking: ReasoningPlan | None
     lora: Any
+    embeds: PromptEmbeds | None = None   # prompt_embeds content parts (chat_embeds.py)
 
 
 async def prepare_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> PreparedChat:
@@ -51,22 +54,27 @@ async def prepare_chat(serving: OpenAIServing, req: ChatCompletionRequest) -> Pr
     serving.check_token_ids(params)
     params = plan.constrain(params)
     await ensure_compiled(serving, params)   # a schema that cannot compile: 400 before the engine sees it
+    markers, rows = await chat_embeds.load_parts(serving, req.messages)
     ids, prompt_text = await serving.render_chat(req.messages, tools=plan.tools,
                                                  add_generation_prompt=req.add_generation_prompt,
                                                  continue_final_message=req.continue_final_message,
                                                  template_kwargs=req.chat_template_kwargs)
     try:
         forwarded = req.forwarded_prompt_ids()
+        req.check_embeds_parts(bool(markers))
         ids = req.truncated(ids, serving.max_model_len)
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
+    embeds = None
+    if markers:
+        ids, embeds = await chat_embeds.splice(serving, prompt_text, markers, rows)
     if forwarded is not None:   # vLLM's decode side of a disaggregated prefill: the prefill's own prompt
         ids = forwarded
     serving.check_prompt(ids, params, param="messages" if forwarded is None else "kv_transfer_params.prompt_token_ids")
     thinking = plan_reasoning(cfg.reasoning_parser, prompt_text, include=req.include_reasoning,
                               template_kwargs=req.chat_template_kwargs,
                               constrained=params.structured_outputs is not None)
-    return PreparedChat(params, plan, ids, thinking, lora)
+    return PreparedChat(params, plan, ids, thinking, lora, embeds)
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request,
@@ -77,7 +85,8 @@ async def create_chat_completion(serving: OpenAIServing, request: Request,
     params, plan, ids, thinking, lora = (prepared.params, prepared.plan, prepared.ids, prepared.thinking,
                                          prepared.lora)
     request_id = random_id("chatcmpl")
-    group = await serving.submit(serving.build_subs(request_id, [ids], params, req.cache_salt, lora), req.priority)
+    group = await serving.submit(serving.build_subs(request_id, [ids], params, req.cache_salt, lora,
+                                                    [prepared.embeds]), req.priority)
     request.state.log_info = f"id={request_id}"
     created = int(time.time())
     if req.stream:

@@ -41,7 +41,8 @@ async def create_chat_batch(serving: OpenAIServing, request: Request) -> Respons
     prepared = [await prepare_chat(serving, req) for req in requests]   # any 400 before the engine sees one
     params = prepared[0].params
     request_id = random_id("chatcmplbatch")
-    subs = serving.build_subs(request_id, [p.ids for p in prepared], params, batch.cache_salt, prepared[0].lora)
+    subs = serving.build_subs(request_id, [p.ids for p in prepared], params, batch.cache_salt, prepared[0].lora,
+                              [p.embeds for p in prepared])
     group = await serving.submit(subs, batch.priority)
     final = await serving.collect(group, request)
     choices, reasoning = [], []

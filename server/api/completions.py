@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from pagedmodel.server.engine.outputs import RequestOutput
+from pagedmodel.server.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, PromptEmbeds
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .async_engine import RequestGroup
 from .errors import APIError
@@ -20,16 +22,32 @@ from .structured_outputs import ensure_compiled
 from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk, usage_options
 
 
-async def prepare_completion(serving: OpenAIServing, req: CompletionRequest
-                             ) -> tuple[SamplingParams, list[tuple[list[int], str | None]], Any]:
-    """Sampling params, the tokenized prompts, and the LoRA adapter ``model`` names (None: the base model)."""
+@dataclass
+class PreparedCompletion:
+    """A completions request checked and tokenized, ready for the engine."""
+    params: SamplingParams
+    tokenized: list[tuple[list[int], str | None]]   # per prompt: ids, and the text when it came as text
+    lora: Any                                        # the adapter ``model`` names (None: the base model)
+    embeds: list[PromptEmbeds | None]                # per prompt: its embeddings (prompt_embeds come first)
+
+
+async def prepare_completion(serving: OpenAIServing, req: CompletionRequest) -> PreparedCompletion:
+    """Every check that can refuse the request (400s naming the field), then the prompts."""
     lora = serving.check_model(req.model)
     try:
         params = req.to_sampling_params(serving.tokenizer_size, serving.config.limits.max_logprobs)
         prompts = req.prompts()
+        payloads = req.embeds_payloads()
     except SamplingParamsError as exc:
         raise APIError(400, str(exc), param=exc.param) from None
-    tokenized = [await serving.tokenize_prompt(p) for p in prompts]
+    rows = [await serving.load_prompt_embeds(p) for p in payloads]
+    try:   # truncate_prompt_tokens cuts embeddings as it cuts ids (below)
+        rows = [req.truncated(r, serving.max_model_len) for r in rows]
+    except SamplingParamsError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+    embeds: list[PromptEmbeds | None] = [PromptEmbeds.whole(r) for r in rows] + [None] * len(prompts)
+    tokenized = [([PLACEHOLDER_TOKEN_ID] * r.shape[0], None) for r in rows]
+    tokenized += [await serving.tokenize_prompt(p) for p in prompts]
     try:   # a cut prompt's echo is the decode of what is left of it
         cuts = [(req.truncated(ids, serving.max_model_len), ids, text) for ids, text in tokenized]
     except SamplingParamsError as exc:
@@ -39,15 +57,17 @@ async def prepare_completion(serving: OpenAIServing, req: CompletionRequest
         serving.check_prompt(ids, params)
     serving.check_token_ids(params)
     await ensure_compiled(serving, params)
-    return params, tokenized, lora
+    return PreparedCompletion(params, tokenized, lora, embeds)
 
 
 async def create_completion(serving: OpenAIServing, request: Request, req: CompletionRequest | None = None) -> Response:
     """``req``: the body already parsed (/invocations reads it to pick the endpoint)."""
     req = req or await serving.parse_body(request, CompletionRequest)
-    params, tokenized, lora = await prepare_completion(serving, req)
+    prepared = await prepare_completion(serving, req)
+    params, tokenized = prepared.params, prepared.tokenized
     request_id = random_id("cmpl")
-    subs = serving.build_subs(request_id, [ids for ids, _ in tokenized], params, req.cache_salt, lora)
+    subs = serving.build_subs(request_id, [ids for ids, _ in tokenized], params, req.cache_salt, prepared.lora,
+                              prepared.embeds)
     group = await serving.submit(subs, req.priority)
     request.state.log_info = f"id={request_id}"   # completed with token counts once the reply is done
     created = int(time.time())

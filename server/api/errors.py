@@ -88,6 +88,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     first = max(errors, key=lambda e: len(_loc_to_param(e.get("loc", ())) or ""))
     param = _loc_to_param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
+    if first.get("type"):   # pydantic's error type, as vLLM's messages carry it (clients match on it)
+        msg += f" [type={first['type']}]"
     text = f"{param}: {msg}" if param else msg
     others = {p for p in (_loc_to_param(e.get("loc", ())) for e in errors)
               if p and p != param and not (param or "").startswith(p + ".")}

@@ -13,8 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, StrictFloat, StrictInt,
-                      StrictStr, model_serializer)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler,
+                      Strict, StrictFloat, StrictInt, StrictStr, model_serializer)
 
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .structured_outputs import StructuredOutputsFields
@@ -51,7 +51,7 @@ class _SamplingRequest(StructuredOutputsFields):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None   # vLLM's: any int64
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: LaxBool = False
@@ -68,7 +68,9 @@ class _SamplingRequest(StructuredOutputsFields):
     logit_bias: dict[str, Number] | None = None   # token id (as a string) -> bias added to its logit
     return_token_ids: LaxBool | None = None            # vLLM's: prompt_token_ids and token_ids in the answer
     return_tokens_as_token_ids: LaxBool | None = None  # vLLM's: logprobs name tokens "token_id:N"
-    prompt_logprobs: StrictInt | None = None           # vLLM's: each prompt token's logprob and the top n
+    # vLLM's: each prompt token's logprob and the top n (a JSON true is 1, as vLLM's lax int reads it)
+    prompt_logprobs: Annotated[int, BeforeValidator(lambda v: int(v) if isinstance(v, bool) else v),
+                               Strict()] | None = None
     allowed_token_ids: list[StrictInt] | None = None   # vLLM's: only these tokens may be drawn
     logprob_token_ids: list[StrictInt] | None = None   # vLLM's: these tokens' logprobs instead of the top n
     truncate_prompt_tokens: StrictInt | None = None    # vLLM's: keep k prompt tokens (-1: the context length)
@@ -170,24 +172,43 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] | None = None
+    # vLLM's (--enable-prompt-embeds): base64 torch.save tensors, each a prompt, answered before `prompt`'s
+    prompt_embeds: StrictStr | list[StrictStr] | None = None
     echo: LaxBool = False
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
 
+    def embeds_payloads(self) -> list[str]:
+        """prompt_embeds as a list of payloads (decoded by the server: embedding_payload.py)."""
+        p = self.prompt_embeds
+        payloads = [p] if isinstance(p, str) else list(p or [])
+        if payloads and self.echo:
+            raise SamplingParamsError("echo cannot repeat a prompt given as embeddings", "echo")
+        if payloads and self.prompt_logprobs is not None:
+            raise SamplingParamsError("prompt_logprobs is not compatible with prompt_embeds (there are no prompt "
+                                      "tokens to score)", "prompt_logprobs")
+        return payloads
+
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of independent prompts (text or token ids)."""
         p = self.prompt
-        if isinstance(p, str):
-            out: list[str | list[int]] = [p]
+        embeds = self.embeds_payloads()
+        if p is None or (p == "" and embeds):
+            if not embeds:
+                raise SamplingParamsError("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+            out: list[str | list[int]] = []
+        elif isinstance(p, str):
+            out = [p]
         elif not p:
             raise SamplingParamsError("prompt must not be empty", "prompt")
         elif all(isinstance(x, int) for x in p):
             out = [list(p)]  # type: ignore[arg-type]
         else:
             out = list(p)  # type: ignore[arg-type]
-        if len(out) > MAX_PROMPTS_PER_REQUEST:
-            raise SamplingParamsError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(out)}", "prompt")
+        if len(out) + len(embeds) > MAX_PROMPTS_PER_REQUEST:
+            raise SamplingParamsError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request (prompt and "
+                                      f"prompt_embeds together), got {len(out) + len(embeds)}", "prompt")
         for x in out:
             if (isinstance(x, str) and not x) or (isinstance(x, list) and not x):
                 raise SamplingParamsError("prompt must not be empty", "prompt")
@@ -214,6 +235,23 @@ class TextContentPart(BaseModel):
     text: StrictStr
 
 
+class PromptEmbedsContentPart(BaseModel):
+    """vLLM's content part (--enable-prompt-embeds): embeddings that stand in the message where the part is."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["prompt_embeds"]
+    data: StrictStr   # base64 of torch.save of a [num_tokens, hidden_size] tensor
+    _marker: str = PrivateAttr(default="")
+
+    @property
+    def text(self) -> str:
+        """What the chat template renders in the part's place: a marker chat_embeds.py splits the prompt at."""
+        return self._marker
+
+
+ContentPart = Annotated[Union[TextContentPart, PromptEmbedsContentPart], Field(discriminator="type")]
+
+
 class FunctionCallParam(BaseModel):
     model_config = ConfigDict(extra="ignore")
     name: StrictStr
@@ -233,7 +271,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     # OpenAI's roles, or any other the model's chat template knows: vLLM passes custom roles to the template
     role: Annotated[StrictStr, Field(min_length=1)]
-    content: StrictStr | list[TextContentPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCallParam] | None = None
     tool_call_id: StrictStr | None = None
@@ -289,6 +327,14 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: extra variables for the chat template
     # vLLM's disaggregated decode: {"prompt_token_ids": [...]} is the prompt as the prefill side rendered it
     kv_transfer_params: dict[str, Any] | None = None
+
+    def check_embeds_parts(self, has_parts: bool) -> None:
+        """What cannot go with prompt_embeds content parts: each would need the prompt as tokens."""
+        if not has_parts:
+            return
+        for name in ("echo", "truncate_prompt_tokens", "prompt_logprobs", "kv_transfer_params"):
+            if getattr(self, name) not in (None, False):
+                raise SamplingParamsError(f"{name} is not compatible with prompt_embeds content parts", name)
 
     def forwarded_prompt_ids(self) -> list[int] | None:
         """kv_transfer_params.prompt_token_ids, used verbatim in place of rendering the messages."""

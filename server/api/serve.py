@@ -11,6 +11,7 @@ from fastapi import FastAPI
 
 from .api_key import add_auth_arguments
 from .app import build_app
+from .chat_template import load_chat_template
 from .http_limits import HTTPLimits, add_limit_arguments, limits_from_args
 from .http_protocol import limited_protocol
 from .serving import OpenAIServing, ServerConfig
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve GET /debug/kv_blocks: KV pool counts and the block invariant check "
                              "(behind --api-key; for soaks and debugging)")
     from .tool_parsers import TOOL_PARSERS
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="a Jinja chat template (a file, or the template text) in place of the model's own")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='serve tool_choice "auto": the model decides, --tool-call-parser reads its calls')
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -119,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         # --max-logprobs is checked against the vocabulary once the model is loaded
         limits_from_args(args, max_logprobs_ceiling=sys.maxsize, max_logprobs=max(args.max_logprobs, 0))
         vllm_notes = check_vllm_flags(args)
+        chat_template = load_chat_template(args.chat_template) if args.chat_template else None
     except (ConfigError, ValueError) as exc:
         print(f"pagedmodel serve: error: {exc}", file=sys.stderr)
         return 2
@@ -141,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedmodel serve: error: cannot start the engine: {type(exc).__name__}: {_one_line(exc)} "
               "(--log-level debug shows the traceback)", file=sys.stderr)
         return 1
+    if chat_template is not None:   # before build_app: the API renders with copies of this tokenizer
+        engine.tokenizer.chat_template = chat_template
     for note in vllm_notes:
         logger.info("%s", note)
     vocab = len(engine.tokenizer)

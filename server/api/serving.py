@@ -18,15 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from pagedmodel.server.engine.input_processor import InvalidRequestError, encode_prompt
 from pagedmodel.server.engine.outputs import RequestOutput
+from pagedmodel.server.engine.prompt_embeds import PromptEmbeds
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .allocator import heap_trimmer
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
 from .api_key import DEFAULT_AUTH_EXEMPT
+from .embedding_payload import EmbeddingPayloadError, decode_embeddings
 from .errors import UNSERVED_HEADER, APIError, validation_message
 from .http_limits import HTTPLimits, read_body
 from .lora_adapters import resolve_model
@@ -184,6 +187,17 @@ class OpenAIServing:
             raise _bad_request(exc) from None
         return ids, prompt
 
+    async def load_prompt_embeds(self, data: object, param: str = "prompt_embeds") -> torch.Tensor:
+        """A base64 ``torch.save`` payload as prompt embedding rows, checked against the model (400s)."""
+        def load() -> torch.Tensor:
+            return self.inputs.embedding_rows(decode_embeddings(data, param), param)
+        try:
+            return await self._in_tokenizer_thread(load)
+        except EmbeddingPayloadError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        except InvalidRequestError as exc:
+            raise _bad_request(exc) from None
+
     async def render_chat(self, messages: list[ChatMessage], *, tools: list[FunctionTool] | None = None,
                           add_generation_prompt: bool = True, continue_final_message: bool = False,
                           add_special_tokens: bool = False,
@@ -257,9 +271,13 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ submission
     def build_subs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                   cache_salt: str | None = None, lora: Any = None) -> list[SubRequest]:
-        """One engine request per prompt; the engine forks its n (best_of) samples off the shared prompt."""
-        return [SubRequest(f"{request_id}-{i}", ids, params, i, cache_salt, lora) for i, ids in enumerate(prompts)]
+                   cache_salt: str | None = None, lora: Any = None,
+                   embeds: list[PromptEmbeds | None] | None = None) -> list[SubRequest]:
+        """One engine request per prompt; the engine forks its n (best_of) samples off the shared prompt.
+        ``embeds``: per prompt, its positions given as embeddings (None: none)."""
+        embeds = embeds or [None] * len(prompts)
+        return [SubRequest(f"{request_id}-{i}", ids, params, i, cache_salt, lora, e)
+                for i, (ids, e) in enumerate(zip(prompts, embeds, strict=True))]
 
     async def submit(self, subs: list[SubRequest], priority: int) -> RequestGroup:
         self.check_accepting()

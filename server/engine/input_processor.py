@@ -93,6 +93,16 @@ class InputProcessor:
         self.check_prompt(ids, params)
         return ProcessedPrompt(text, ids, check_cache_salt(cache_salt))
 
+    def embedding_rows(self, tensor: object, param: str = "prompt_embeds") -> torch.Tensor:
+        """A caller's tensor checked (shape, hidden size, dtype, finite, length) and cast to the model's dtype."""
+        if self.embeddings is None:
+            raise InvalidRequestError("prompt embeddings need the server started with --enable-prompt-embeds", param)
+        try:
+            return check_embeds_tensor(tensor, self.embeddings.hidden_size, self.embeddings.dtype,
+                                       self.max_model_len, param)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param) from None
+
     def _process_embeds(self, prompt: Mapping, params: SamplingParams, cache_salt: str | None) -> ProcessedPrompt:
         """``{"prompt_embeds": tensor}``, or ids with a PromptEmbeds naming which of them are embeddings."""
         if self.embeddings is None:
@@ -101,7 +111,8 @@ class InputProcessor:
         if "prompt" in prompt:
             raise InvalidRequestError("a prompt dict needs exactly one of 'prompt' and 'prompt_embeds'", "prompt")
         if params.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt_logprobs cannot score a prompt given as embeddings", "prompt_logprobs")
+            raise InvalidRequestError("prompt_logprobs is not compatible with prompt embeddings (there are no "
+                                      "prompt tokens to score)", "prompt_logprobs")
         cache_salt = self._dict_salt(prompt, cache_salt)
         embeds = prompt["prompt_embeds"]
         if isinstance(embeds, PromptEmbeds):
@@ -111,11 +122,7 @@ class InputProcessor:
         else:
             if "prompt_token_ids" in prompt:
                 raise InvalidRequestError("'prompt_token_ids' goes with a PromptEmbeds, not a tensor", "prompt")
-            try:
-                rows = check_embeds_tensor(embeds, self.embeddings.hidden_size, self.embeddings.dtype,
-                                           self.max_model_len)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc), "prompt_embeds") from None
+            rows = self.embedding_rows(embeds)
             embeds, ids = PromptEmbeds.whole(rows), [PLACEHOLDER_TOKEN_ID] * rows.shape[0]
         self.check_prompt(ids, params)
         return ProcessedPrompt(None, ids, check_cache_salt(cache_salt), embeds)

@@ -87,7 +87,7 @@ CASES: list[tuple[str, str, str, bytes | None, str | None, int, str | None]] = [
     ("chat-messages-not-a-list", "POST", CHAT, chat(messages="hi"), None, 400, "messages"),
     ("chat-image-part", "POST", CHAT,
      chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]),
-     None, 400, "messages.0.content.0.type"),
+     None, 400, "messages.0.content.0"),   # the message names the tags served
     ("chat-top-logprobs-without-logprobs", "POST", CHAT, chat(top_logprobs=3), None, 400, "top_logprobs"),
     ("chat-max-completion-tokens-huge", "POST", CHAT, chat(max_completion_tokens=100000), None, 400, "max_tokens"),
     ("chat-tool-bad-name", "POST", CHAT, chat(tools=[{"type": "function", "function": {"name": "f g"}}]), None, 400,

@@ -68,6 +68,14 @@ def test_negative_seeds_are_taken_and_reproducible(client: openai.OpenAI) -> Non
     assert len({sample(-7), sample(-8), sample(7)}) > 1
 
 
+@pytest.mark.parametrize("seed, kind", [(2**63, "less_than_equal"), (-2**63 - 1, "greater_than_equal")])
+def test_seeds_beyond_int64_are_400s_naming_the_bound(client: openai.OpenAI, seed: int, kind: str) -> None:
+    # vLLM's messages carry pydantic's error type, and its clients (and tests) match on it
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], seed=seed)
+    assert kind in err.value.message and err.value.body["param"] == "seed"
+
+
 def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI) -> None:
     def token_ids(**kw: object) -> list[int]:
         r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,

@@ -103,6 +103,6 @@ def test_refused_without_the_flag_and_with_prompt_logprobs(wordlevel_llama_dir):
     with pytest.raises(InvalidRequestError, match="--enable-prompt-embeds"):
         plain.engine.add_request("a", {"prompt_embeds": torch.zeros(3, 64)}, GREEDY)
     llm = make_llm(wordlevel_llama_dir)
-    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs is not compatible"):
         llm.engine.add_request("b", {"prompt_embeds": torch.zeros(3, 64)},
                                SamplingParams(max_tokens=2, prompt_logprobs=1))
