@@ -13,6 +13,7 @@ from .api_key import add_auth_arguments
 from .app import build_app
 from .http_limits import HTTPLimits, add_limit_arguments, limits_from_args
 from .http_protocol import limited_protocol
+from .reasoning import engine_reasoning_config
 from .serving import OpenAIServing, ServerConfig
 from .vllm_flags import add_vllm_flag_arguments, check_vllm_flags, max_logprobs_for
 
@@ -119,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         # --max-logprobs is checked against the vocabulary once the model is loaded
         limits_from_args(args, max_logprobs_ceiling=sys.maxsize, max_logprobs=max(args.max_logprobs, 0))
         vllm_notes = check_vllm_flags(args)
+        engine_args.reasoning_config = engine_reasoning_config(args.reasoning_parser, engine_args.reasoning_config)
     except (ConfigError, ValueError) as exc:
         print(f"pagedmodel serve: error: {exc}", file=sys.stderr)
         return 2
