@@ -80,8 +80,10 @@ def test_a_completion_thinks_exactly_the_budget_then_gets_the_end_marker(client:
 def test_without_a_budget_the_model_thinks_on(client: openai.OpenAI, markers) -> None:
     start, end = markers
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                  extra_body={"return_token_ids": True, "ignore_eos": True, "thinking_token_budget": -1})
-    assert thinking_span(r.choices[0].prompt_token_ids + r.choices[0].token_ids, start, end) == 12   # type: ignore[attr-defined]
+                                  extra_body={"return_token_ids": True, "ignore_eos": True,
+                                              "thinking_token_budget": -1})
+    choice = r.choices[0]
+    assert thinking_span(choice.prompt_token_ids + choice.token_ids, start, end) == 12   # type: ignore[attr-defined]
 
 
 def _chat_kw(budget: int) -> dict:
@@ -98,7 +100,8 @@ def test_a_chat_answer_splits_at_the_forced_end_marker(client: openai.OpenAI, ma
     ids = r.prompt_token_ids + r.choices[0].token_ids   # type: ignore[attr-defined]
     assert thinking_span(ids, start, end) == 4
     msg = r.choices[0].message
-    assert msg.reasoning and msg.content and "</think>" not in msg.content + msg.reasoning   # type: ignore[attr-defined]
+    reasoning = msg.reasoning   # type: ignore[attr-defined]
+    assert reasoning and msg.content and "</think>" not in msg.content + reasoning
     chunks = list(client.chat.completions.create(**_chat_kw(4), stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == msg.reasoning   # type: ignore[attr-defined]

@@ -204,7 +204,8 @@ def test_the_end_marker_is_forced_over_penalties_bias_and_a_grammar(engine: LLME
 
 @pytest.mark.parametrize("engine_kw", [
     {"max_num_batched_tokens": 4},                                    # chunked prefill
-    {"num_gpu_blocks_override": 6, "max_model_len": 48, "preemption_mode": "recompute"},  # preempted and prefilled again
+    # preempted: prefilled again from its tokens, or swapped out and back
+    {"num_gpu_blocks_override": 6, "max_model_len": 48, "preemption_mode": "recompute"},
     {"num_gpu_blocks_override": 6, "max_model_len": 48, "preemption_mode": "swap"},
 ])
 def test_budgets_hold_across_chunked_prefill_and_preemption(tiny_llama_dir, engine: LLMEngine, engine_kw) -> None:
