@@ -75,6 +75,9 @@ class _SamplingRequest(StructuredOutputsFields):
     logprob_token_ids: list[StrictInt] | None = None   # vLLM's: these tokens' logprobs instead of the top n
     truncate_prompt_tokens: StrictInt | None = None    # vLLM's: keep k prompt tokens (-1: the context length)
     truncation_side: Literal["left", "right"] | None = None   # which end loses tokens (default: the left)
+    # vLLM's: at most this many thinking tokens, then the end marker is forced (-1: unlimited); needs markers
+    # from --reasoning-parser or --reasoning-config
+    thinking_token_budget: StrictInt | None = None
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt cut to ``truncate_prompt_tokens`` (vLLM's: from the left unless truncation_side says)."""
@@ -127,6 +130,7 @@ class _SamplingRequest(StructuredOutputsFields):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(), logit_bias=parse_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids or None,
+            thinking_token_budget=self.thinking_token_budget,
         )
         return SamplingParams(**kwargs)
 

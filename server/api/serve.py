@@ -14,6 +14,7 @@ from .app import build_app
 from .chat_template import load_chat_template
 from .http_limits import HTTPLimits, add_limit_arguments, limits_from_args
 from .http_protocol import limited_protocol
+from .reasoning import engine_reasoning_config
 from .serving import OpenAIServing, ServerConfig
 from .vllm_flags import add_vllm_flag_arguments, check_vllm_flags, max_logprobs_for
 
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         limits_from_args(args, max_logprobs_ceiling=sys.maxsize, max_logprobs=max(args.max_logprobs, 0))
         vllm_notes = check_vllm_flags(args)
         chat_template = load_chat_template(args.chat_template) if args.chat_template else None
+        engine_args.reasoning_config = engine_reasoning_config(args.reasoning_parser, engine_args.reasoning_config)
     except (ConfigError, ValueError) as exc:
         print(f"pagedmodel serve: error: {exc}", file=sys.stderr)
         return 2

@@ -40,6 +40,8 @@ NO_EFFECT_FLAGS = (
                  "prefill is always chunked to --max-num-batched-tokens; outputs do not depend on it"),
     NoEffectFlag("disable_frontend_multiprocessing", "--disable-frontend-multiprocessing",
                  "the HTTP frontend always runs in the engine's process"),
+    NoEffectFlag("async_scheduling", "--[no-]async-scheduling",
+                 "each step is scheduled after the previous one's tokens are known; outputs do not depend on it"),
 )
 
 
@@ -71,6 +73,8 @@ def add_vllm_flag_arguments(parser: argparse.ArgumentParser) -> None:
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
       help="accepted; prefill is always chunked here")
     a("--disable-frontend-multiprocessing", action="store_true", default=None, help="accepted; no effect here")
+    a("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+      help="accepted; steps are always scheduled one after another here")
     # a free string, so vLLM's other names reach check_vllm_flags and its message (argparse would only list ours)
     a("--reasoning-parser", default=None, metavar="NAME",
       help=f"split chat answers' thinking into `reasoning`: {' or '.join(sorted(REASONING_PARSERS))}")

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .reasoning_config import ReasoningConfig
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 # --block-size when not given, per device type (vLLM's defaults; device.pick_block_size). On CPU a decode
@@ -49,8 +53,14 @@ class EngineArgs:
     max_lora_rank: int = 16
     lora_modules: list[str] | None = None       # "name=path" or '{"name": ..., "path": ...}' loaded at start
     enable_prompt_embeds: bool = False          # prompts may come as input embeddings (vLLM's flag)
+    # vLLM's --reasoning-config (JSON text, a dict, or a ReasoningConfig): the thinking markers that
+    # thinking_token_budget counts between and forces (reasoning_config.py)
+    reasoning_config: "ReasoningConfig | str | dict[str, Any] | None" = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_config is not None:
+            from .reasoning_config import ReasoningConfig   # it imports ConfigError from here
+            self.reasoning_config = ReasoningConfig.parse(self.reasoning_config)
         self.validate()
 
     def validate(self) -> None:
@@ -123,6 +133,10 @@ class EngineArgs:
         a("--enable-prompt-embeds", action="store_true",
           help="accept prompts as input embeddings: completions' prompt_embeds, chat's prompt_embeds content parts "
                "(base64 of torch.save of a [num_tokens, hidden_size] tensor)")
+        a("--reasoning-config", default=None, metavar="JSON",
+          help='vLLM\'s reasoning config: {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"} '
+               "(thinking_token_budget counts after the start string and forces the end string; an empty string "
+               "comes from --reasoning-parser)")
         return parser
 
     @classmethod

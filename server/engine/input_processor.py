@@ -69,9 +69,10 @@ class EmbeddingInput:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int,
-                 embeddings: EmbeddingInput | None = None):
+                 embeddings: EmbeddingInput | None = None, thinking_budgets: bool = False):
         self.embeddings = embeddings   # None: prompt embeddings are refused
         self.tokenizer = tokenizer
+        self.thinking_budgets = thinking_budgets   # the engine knows thinking markers (--reasoning-config)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
@@ -164,6 +165,10 @@ class InputProcessor:
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is out of vocabulary: ids are in [0, {self.vocab_size})", param)
         self._check_length(len(ids), params.max_tokens, param)
+        if params.thinking_token_budget is not None and not self.thinking_budgets:
+            raise InvalidRequestError("thinking_token_budget needs a server started with --reasoning-parser or "
+                                      "--reasoning-config (which name the thinking markers); this one has none",
+                                      "thinking_token_budget")
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
             raise InvalidRequestError("stop_token_ids contains ids outside the vocabulary", "stop_token_ids")
         total = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))

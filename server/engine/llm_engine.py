@@ -29,12 +29,14 @@ from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
 from .outputs import RequestMetrics, RequestOutput
+from .reasoning_config import ReasoningConfig
 from .sampler import Sampler
 from .sampling_params import SamplingParams, SamplingParamsError
 from .scheduler import Scheduler, StepUpdate
 from .sequence import SequenceGroup, SequenceStatus
 from .stats import EngineStats
 from .stop_checker import StopChecker
+from .thinking_budget import ThinkingMarkers
 from .worker import Worker
 
 log = logging.getLogger("pagedmodel.engine")
@@ -55,9 +57,11 @@ class LLMEngine:
         max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         worker = self.worker = Worker(args, mc, max_num_batched_tokens)
         self.model, self.kv_cache, self.backend, self.device = worker.model, worker.kv_cache, worker.backend, worker.device
+        self.thinking_markers = self._thinking_markers(args)
         embeddings = EmbeddingInput(mc.hf_config.hidden_size, worker.dtype) if args.enable_prompt_embeds else None
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len,
-                                              worker.num_blocks, args.block_size, embeddings)
+                                              worker.num_blocks, args.block_size, embeddings,
+                                              thinking_budgets=self.thinking_markers is not None)
         self.scheduler = Scheduler(worker.num_blocks, args.block_size, args.max_num_seqs, max_num_batched_tokens,
                                    StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len),
                                    enable_prefix_caching=args.enable_prefix_caching,
@@ -69,7 +73,7 @@ class LLMEngine:
                                   enforce_eager=args.enforce_eager, torch_compile=args.torch_compile,
                                   lora=LoRAState(self.model, args.max_loras) if args.enable_lora else None)
         self.kv_events = self.scheduler.block_manager.kv_events   # None without prefix caching
-        self.sampler = Sampler(self.device, self.eos_token_ids)
+        self.sampler = Sampler(self.device, self.eos_token_ids, self.thinking_markers)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, tuple[SequenceGroup, Future]] = {}   # admitted once their grammar is built
@@ -78,6 +82,18 @@ class LLMEngine:
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
                  self.model_name, self.device, worker.dtype, worker.num_blocks, args.block_size,
                  self.kv_cache.nbytes / 2**20, self.max_model_len)
+
+    def _thinking_markers(self, args: EngineArgs) -> ThinkingMarkers | None:
+        """--reasoning-config's markers as token ids; None (budgets refused) when it names no strings."""
+        config = args.reasoning_config
+        if config is None:
+            return None
+        assert isinstance(config, ReasoningConfig)   # EngineArgs parsed it
+        markers = config.markers(self.tokenizer)
+        if markers is None:
+            log.warning("--reasoning-config names no start and end strings (nor a reasoning parser that has "
+                        "them): requests with thinking_token_budget will be refused")
+        return markers
 
     @staticmethod
     def _start_lora(args: EngineArgs, mc: ModelConfig, worker: Worker) -> LoRARegistry:

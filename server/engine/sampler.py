@@ -10,6 +10,10 @@ Structured outputs: a constrained sample has its own grammar matcher (xgrammar),
 other per-sample state. Each step fills one token bitmask for the constrained rows only, applies it to
 those rows of the batch's logits at once (before penalties, temperature and the draw; after the
 logprobs, which stay the raw model's), and advances each matcher by the token drawn.
+
+Thinking budgets: a sample with ``thinking_token_budget`` has a ``ThinkingBudget`` (thinking_budget.py),
+kept here too; once its budget is spent, the token it forces replaces whatever the row drew (grammar,
+penalties and bias included), and its logprob is the raw model's, as any chosen token's.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from .penalties import apply_penalties, needs_penalties
 from .random_sampling import draw
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceGroup
+from .thinking_budget import ThinkingBudget, ThinkingMarkers
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunnerOutput
@@ -41,6 +46,7 @@ class SamplingRow:
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()   # e.g. EOS before min_tokens is reached
     matcher: Any = None                      # xgrammar.GrammarMatcher of a structured-output sample
+    forced_token_id: int | None = None       # a spent thinking budget's end-marker token: drawn regardless
 
 
 @dataclass
@@ -139,10 +145,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         picked = draw(block, [rows[i].params for i in drawn], [rows[i].generator for i in drawn])
         for i, token in zip(drawn, picked):
             tokens[i] = token
+    forced = {i for i, row in enumerate(rows) if row.forced_token_id is not None}
+    for i in forced:   # after the draw, so a seeded row's generator advances as on any other step
+        tokens[i] = rows[i].forced_token_id
     for i in constrained:
-        if not rows[i].matcher.accept_token(tokens[i]):   # only if every token was masked: nothing can follow
-            log.warning("grammar rejected token %d; the sample continues unconstrained", tokens[i])
-            rows[i].matcher = None
+        if rows[i].matcher.accept_token(tokens[i]):
+            continue
+        if i in forced:   # the grammar did not allow the forced marker: it goes on from where it was
+            continue
+        log.warning("grammar rejected token %d; the sample continues unconstrained", tokens[i])   # all masked
+        rows[i].matcher = None
     if not rows:
         return []
     index = torch.tensor(tokens, dtype=torch.long, device=raw.device)
@@ -237,9 +249,11 @@ class SamplerOutput:
 class Sampler:
     """Per-request sampling state (seeded generators, beam searches) and the step's draws."""
 
-    def __init__(self, device: torch.device, eos_token_ids: set[int]):
+    def __init__(self, device: torch.device, eos_token_ids: set[int], thinking: ThinkingMarkers | None = None):
         self.device = device
         self.eos_token_ids = eos_token_ids   # shared with the stop checker
+        self.thinking = thinking             # None: no reasoning config, and no request may ask for a budget
+        self._budgets: dict[tuple[str, int], ThinkingBudget] = {}   # (request, sample index)
         self._generators: dict[tuple[str, int], torch.Generator] = {}   # (request, sample index)
         self._beams: dict[str, BeamGroup] = {}
         self._grammars: dict[str, Any] = {}                    # request -> xgrammar.CompiledGrammar
@@ -259,6 +273,7 @@ class Sampler:
         for index in range(group.params.best_of):
             self._generators.pop((group.request_id, index), None)
             self._matchers.pop((group.request_id, index), None)
+            self._budgets.pop((group.request_id, index), None)
 
     def sample(self, out: "ModelRunnerOutput") -> SamplerOutput:
         result = SamplerOutput()
@@ -305,7 +320,19 @@ class Sampler:
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(sorted((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)))
         return SamplingRow(p, group.prompt_token_ids, seq.output_token_ids, gen, banned,
-                           self._matcher(group.request_id, index))
+                           self._matcher(group.request_id, index), self._forced_token(group, seq, index))
+
+    def _forced_token(self, group: SequenceGroup, seq: Sequence, index: int) -> int | None:
+        """The end-marker token sample ``index`` must take now, when its thinking budget is spent."""
+        budget = group.params.thinking_token_budget
+        if budget is None or self.thinking is None:
+            return None
+        key = (group.request_id, index)
+        state = self._budgets.get(key)
+        if state is None or state.seen > seq.num_output_tokens:   # new, or its tokens went (never, today)
+            state = self._budgets[key] = ThinkingBudget(self.thinking, budget, group.prompt_token_ids)
+        state.sync(seq.token_ids, seq.num_prompt_tokens)
+        return state.forced_token
 
     def _matcher(self, request_id: str, index: int) -> Any:
         compiled = self._grammars.get(request_id)

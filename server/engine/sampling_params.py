@@ -49,6 +49,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (OpenAI's)
     allowed_token_ids: list[int] | None = None   # vLLM's: only these tokens may be drawn
     logprob_token_ids: list[int] | None = None   # vLLM's: report these tokens' logprobs (not the top-k)
+    # vLLM's: at most this many tokens per thinking section, then the end marker is forced (thinking_budget.py);
+    # -1 means unlimited, as None does
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +60,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.best_of is None:
             self.best_of = self.n
+        if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
+            self.thinking_token_budget = None   # vLLM's "unlimited"
         self.validate()
 
     @property
@@ -134,6 +139,18 @@ class SamplingParams:
         elif self.greedy and self.best_of > 1:
             fail("greedy sampling (temperature 0) with n or best_of > 1 would return identical samples", "n")
         self._validate_structured_outputs()
+        self._validate_thinking_token_budget()
+
+    def _validate_thinking_token_budget(self) -> None:
+        budget = self.thinking_token_budget
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise SamplingParamsError(f"thinking_token_budget must be a non-negative integer or -1 (unlimited), "
+                                      f"got {budget!r}", "thinking_token_budget")
+        if self.use_beam_search:   # beams are scored over free draws; a forced marker has no place there
+            raise SamplingParamsError("thinking_token_budget is not supported with beam search",
+                                      "thinking_token_budget")
 
     def _validate_structured_outputs(self) -> None:
         from .structured_outputs_params import StructuredOutputsParams   # it imports this module's error

@@ -109,6 +109,7 @@ VLLM_COMMAND_LINE = (
     "--max-cpu-loras", "2", "--load-format", "auto", "--no-enable-chunked-prefill", "--enable-prefix-caching",
     "--disable-frontend-multiprocessing", "--return-tokens-as-token-ids", "--max-logprobs", "151936",
     "--enable-tokenizer-info-endpoint", "--enable-server-load-tracking", "--enable-force-include-usage",
+    "--no-async-scheduling",
 )
 
 

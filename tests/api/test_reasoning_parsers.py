@@ -121,6 +121,8 @@ def test_where_a_requests_output_starts() -> None:
     # Qwen3 with enable_thinking false: the whole output is the answer (vLLM's rule)
     assert plan_reasoning("qwen3", QWEN_PROMPT, template_kwargs={"enable_thinking": False}) is None
     assert plan_reasoning("qwen3", QWEN_PROMPT, template_kwargs={"enable_thinking": True}) is not None
+    for off in (0, None, ""):   # as vLLM's qwen3 parser reads the flag: any false value turns thinking off
+        assert plan_reasoning("qwen3", QWEN_PROMPT, template_kwargs={"enable_thinking": off}) is None
     # ... and so when the template closed thinking in the prompt's last turn (what enable_thinking false renders)
     assert plan_reasoning("qwen3", QWEN_PROMPT + "<think>\n\n</think>\n\n") is None
     # an earlier turn's thinking does not count, nor an opened block

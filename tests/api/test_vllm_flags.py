@@ -21,7 +21,8 @@ AUTH = {"Authorization": f"Bearer {VLLM_KEY}"}
 MODEL = VLLM_MODEL
 VOCAB = 49152   # SmolLM2's tokenizer, which the tiny test model uses
 NO_EFFECT_FLAGS = ("--show-hidden-metrics-for-version", "--max-cpu-loras", "--[no-]enable-chunked-prefill",
-                   "--disable-frontend-multiprocessing", "--structured-outputs-config.backend")
+                   "--disable-frontend-multiprocessing", "--structured-outputs-config.backend",
+                   "--[no-]async-scheduling")
 
 
 def test_a_vllm_command_line_starts_and_logs_one_line_per_flag_without_effect(vllm_server: ServerProcess) -> None:
@@ -104,6 +105,12 @@ def test_max_logprobs_up_to_the_vocabulary(vllm_server: ServerProcess) -> None:
     (["--reasoning-parser", "mistral"], "--reasoning-parser mistral: vLLM's reasoning parser 'mistral' is not served "
                                          "here; served: deepseek_r1, qwen3"),
     (["--reasoning-parser", "qwen"], "--reasoning-parser qwen: reasoning parser 'qwen' is not served here"),
+    # --reasoning-config: vLLM's keys only, strings only, and a parser it names is checked like the flag's
+    (["--reasoning-config", '{"reasoning_start": "<think>"}'], "--reasoning-config: unknown key(s) reasoning_start"),
+    (["--reasoning-config", '{"reasoning_end_str": 3}'], "--reasoning-config: reasoning_end_str must be a string"),
+    (["--reasoning-config", "<think>"], "--reasoning-config is not valid JSON"),
+    (["--reasoning-config", '{"reasoning_parser": "mistral"}'],
+     "--reasoning-config reasoning_parser: vLLM's reasoning parser 'mistral' is not served here"),
 ])
 def test_flags_that_would_change_results_are_refused(server_model_dir: Path, args: list[str], message: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "serve", "--model", str(server_model_dir),

@@ -5,9 +5,10 @@ decides per request where the output starts and whether the reasoning is returne
 """
 from __future__ import annotations
 
-from .families import REASONING_PARSERS, VLLM_REASONING_PARSERS, check_reasoning_parser
+from .families import REASONING_PARSERS, VLLM_REASONING_PARSERS, check_reasoning_parser, engine_reasoning_config
 from .request_plan import ReasoningPlan, plan_reasoning
 from .think_markers import Split, StartMode, ThinkFormat, ThinkSplitter, split_text
 
 __all__ = ["REASONING_PARSERS", "VLLM_REASONING_PARSERS", "ReasoningPlan", "Split", "StartMode", "ThinkFormat",
-           "ThinkSplitter", "check_reasoning_parser", "plan_reasoning", "split_text"]
+           "ThinkSplitter", "check_reasoning_parser", "engine_reasoning_config", "plan_reasoning",
+           "split_text"]

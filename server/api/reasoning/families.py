@@ -1,7 +1,12 @@
 """The `--reasoning-parser` names served here, and the rest of vLLM's, which are refused by name."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .think_markers import ThinkFormat
+
+if TYPE_CHECKING:
+    from pagedmodel.server.engine.reasoning_config import ReasoningConfig
 
 # DeepSeek-R1: its template ends the prompt with <think>, so the output is thinking up to </think>.
 DEEPSEEK_R1 = ThinkFormat("deepseek_r1")
@@ -21,10 +26,26 @@ VLLM_REASONING_PARSERS = (
 )
 
 
-def check_reasoning_parser(name: str | None) -> None:
-    """ValueError with the served names when ``name`` is not one of them."""
+def check_reasoning_parser(name: str | None, where: str | None = None) -> None:
+    """ValueError with the served names when ``name`` is not one of them; ``where`` names the setting (by
+    default the flag with its value)."""
     if name is None or name in REASONING_PARSERS:
         return
     known = ", ".join(sorted(REASONING_PARSERS))
     what = "vLLM's reasoning parser" if name in VLLM_REASONING_PARSERS else "reasoning parser"
-    raise ValueError(f"--reasoning-parser {name}: {what} {name!r} is not served here; served: {known}")
+    raise ValueError(f"{where or f'--reasoning-parser {name}'}: {what} {name!r} is not served here; served: {known}")
+
+
+def engine_reasoning_config(parser: str | None, config: "ReasoningConfig | None") -> "ReasoningConfig | None":
+    """The engine's reasoning config, as vLLM builds it: --reasoning-parser alone makes one of the parser's
+    markers (thinking budgets then work without --reasoning-config), and names the parser of a given one,
+    whose empty strings the parser's markers fill. ValueError for a parser not served here."""
+    from pagedmodel.server.engine.reasoning_config import ReasoningConfig
+
+    name = parser or (config.reasoning_parser if config is not None else "")
+    if not name:
+        return config
+    if parser is None:   # named in --reasoning-config only: the same rule as the flag's
+        check_reasoning_parser(name, "--reasoning-config reasoning_parser")
+    fmt = REASONING_PARSERS[name]
+    return (config or ReasoningConfig()).with_parser(name, fmt.start, fmt.end)

@@ -37,7 +37,7 @@ def plan_reasoning(parser_name: str | None, prompt_text: str, *, include: bool =
 
 def _thinking_off(fmt: ThinkFormat, prompt_text: str, template_kwargs: Mapping[str, Any]) -> bool:
     """Qwen3's rule: enable_thinking false, or a last turn whose prompt already closed its thinking block."""
-    if template_kwargs.get("enable_thinking") is False:
+    if not template_kwargs.get("enable_thinking", True):   # vLLM's parser reads any false value (0, null) so
         return True
     last_turn = prompt_text.rsplit(fmt.turn_start or "", 1)[-1]
     return last_turn.rfind(fmt.end) > last_turn.rfind(fmt.start) if fmt.end in last_turn else False
