@@ -73,6 +73,7 @@ class _SamplingRequest(StructuredOutputsFields):
     logprob_token_ids: list[StrictInt] | None = None   # vLLM's: these tokens' logprobs instead of the top n
     truncate_prompt_tokens: StrictInt | None = None    # vLLM's: keep k prompt tokens (-1: the context length)
     truncation_side: Literal["left", "right"] | None = None   # which end loses tokens (default: the left)
+    watermarking: LaxBool | None = None                # vLLM's: false opts out of the engine's watermark
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt cut to ``truncate_prompt_tokens`` (vLLM's: from the left unless truncation_side says)."""
@@ -125,6 +126,7 @@ class _SamplingRequest(StructuredOutputsFields):
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(), logit_bias=parse_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids or None,
+            watermarking=self.watermarking,
         )
         return SamplingParams(**kwargs)
 

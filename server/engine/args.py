@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import Any
+
+from .watermark_config import WatermarkConfig, WatermarkConfigError, parse_watermark_config
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 # --block-size when not given, per device type (vLLM's defaults; device.pick_block_size). On CPU a decode
@@ -48,6 +51,7 @@ class EngineArgs:
     max_loras: int = 1                          # adapters resident (batched together) at once
     max_lora_rank: int = 16
     lora_modules: list[str] | None = None       # "name=path" or '{"name": ..., "path": ...}' loaded at start
+    watermark_config: str | dict[str, Any] | WatermarkConfig | None = None   # vLLM's JSON; watermark_config.py
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,6 +89,14 @@ class EngineArgs:
             raise ConfigError("--lora-modules needs --enable-lora")
         for spec in self.lora_modules or []:
             parse_lora_module(spec)
+        self.watermark()
+
+    def watermark(self) -> WatermarkConfig | None:
+        """--watermark-config parsed and checked (a ConfigError names the bad field)."""
+        try:
+            return parse_watermark_config(self.watermark_config)
+        except WatermarkConfigError as exc:
+            raise ConfigError(str(exc)) from None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -119,6 +131,10 @@ class EngineArgs:
         a("--max-lora-rank", type=int, default=d["max_lora_rank"].default, help="highest adapter rank accepted")
         a("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
           help='adapters loaded at start: name=path, or \'{"name": "...", "path": "..."}\'; requests pick one by "model"')
+        a("--watermark-config", default=None, metavar="JSON",
+          help='watermark sampled text, e.g. \'{"algorithm": "gumbel", "key": 42}\' (vLLM\'s fields: key, algorithm, '
+               'context_width, deduplicate_contexts, deduplicate_contexts_max_history; docs/vllm_compat.md); '
+               '`pagedmodel watermark detect` scores text for it')
         return parser
 
     @classmethod

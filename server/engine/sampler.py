@@ -26,6 +26,8 @@ from .penalties import apply_penalties, needs_penalties
 from .random_sampling import draw
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceGroup
+from .watermark import ContextHistory, context_of, context_seed, watermark_applies, watermarked_draw
+from .watermark_config import WatermarkConfig
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunnerOutput
@@ -41,6 +43,7 @@ class SamplingRow:
     generator: torch.Generator | None
     banned_token_ids: tuple[int, ...] = ()   # e.g. EOS before min_tokens is reached
     matcher: Any = None                      # xgrammar.GrammarMatcher of a structured-output sample
+    watermark_seed: int | None = None        # the keyed noise's seed for this step's context (watermark.py)
 
 
 @dataclass
@@ -132,6 +135,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         for i, token in zip(rest, logits[rest].argmax(dim=-1).tolist()):
             tokens[i] = token
     drawn = [i for i, row in enumerate(rows) if not (row.params.greedy or row.params.use_beam_search)]
+    marked = [i for i in drawn if rows[i].watermark_seed is not None]
+    if marked:
+        drawn = [i for i in drawn if rows[i].watermark_seed is None]
+        block = logits.index_select(0, torch.tensor(marked, dtype=torch.long, device=logits.device))
+        picked = watermarked_draw(block, [rows[i].params for i in marked], [rows[i].watermark_seed for i in marked])
+        for i, token in zip(marked, picked):
+            tokens[i] = token
     if drawn:
         block = logits   # draw() leaves it as it is: the copy is for blocks with other rows only
         if len(drawn) < len(rows):
@@ -237,8 +247,10 @@ class SamplerOutput:
 class Sampler:
     """Per-request sampling state (seeded generators, beam searches) and the step's draws."""
 
-    def __init__(self, device: torch.device, eos_token_ids: set[int]):
+    def __init__(self, device: torch.device, eos_token_ids: set[int], watermark: WatermarkConfig | None = None):
         self.device = device
+        self.watermark = watermark
+        self._histories: dict[tuple[str, int], ContextHistory] = {}   # (request, sample index): contexts seen
         self.eos_token_ids = eos_token_ids   # shared with the stop checker
         self._generators: dict[tuple[str, int], torch.Generator] = {}   # (request, sample index)
         self._beams: dict[str, BeamGroup] = {}
@@ -259,6 +271,7 @@ class Sampler:
         for index in range(group.params.best_of):
             self._generators.pop((group.request_id, index), None)
             self._matchers.pop((group.request_id, index), None)
+            self._histories.pop((group.request_id, index), None)
 
     def sample(self, out: "ModelRunnerOutput") -> SamplerOutput:
         result = SamplerOutput()
@@ -305,7 +318,21 @@ class Sampler:
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(sorted((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)))
         return SamplingRow(p, group.prompt_token_ids, seq.output_token_ids, gen, banned,
-                           self._matcher(group.request_id, index))
+                           self._matcher(group.request_id, index), self._watermark_seed(group, seq, index))
+
+    def _watermark_seed(self, group: SequenceGroup, seq: Sequence, index: int) -> int | None:
+        """The seed of this step's keyed noise, or None for an ordinary draw: an unwatermarked request, or a
+        context this sample already drew from (its noise would repeat its token and its evidence)."""
+        config = self.watermark
+        if config is None or not watermark_applies(config, group.params):
+            return None
+        history = self._histories.get((group.request_id, index))
+        if history is None:
+            history = self._histories[(group.request_id, index)] = ContextHistory(config, group.prompt_token_ids)
+        output = seq.output_token_ids
+        if history.repeated(output):
+            return None
+        return context_seed(config.key, context_of(output, config.context_width))
 
     def _matcher(self, request_id: str, index: int) -> Any:
         compiled = self._grammars.get(request_id)

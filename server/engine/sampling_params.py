@@ -49,6 +49,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (OpenAI's)
     allowed_token_ids: list[int] | None = None   # vLLM's: only these tokens may be drawn
     logprob_token_ids: list[int] | None = None   # vLLM's: report these tokens' logprobs (not the top-k)
+    watermarking: bool | None = None   # vLLM's: False opts out of the engine's --watermark-config (None: on)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -124,6 +125,8 @@ class SamplingParams:
                 fail(f"{name} must be a non-empty list of token ids", name)
         if self.logprob_token_ids is not None and self.use_beam_search:
             fail("logprob_token_ids is not supported with beam search", "logprob_token_ids")
+        if self.watermarking not in (None, True, False):
+            fail(f"watermarking must be true, false or null, got {self.watermarking!r}", "watermarking")
         if self.early_stopping not in (True, False, "never"):
             fail(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}", "early_stopping")
         if self.use_beam_search:
