@@ -10,6 +10,10 @@ Structured outputs: a constrained sample has its own grammar matcher (xgrammar),
 other per-sample state. Each step fills one token bitmask for the constrained rows only, applies it to
 those rows of the batch's logits at once (before penalties, temperature and the draw; after the
 logprobs, which stay the raw model's), and advances each matcher by the token drawn.
+
+Watermark (--watermark-config): a drawn row of a watermarked request carries its context's seed, and its
+token is the keyed Gumbel-max choice (watermark.py) among what the same masks, penalties and truncation
+leave, in place of the seeded draw; greedy and beam rows are untouched.
 """
 from __future__ import annotations
 

@@ -268,3 +268,19 @@ def test_scope_all_gives_n_samples_different_starts(wordlevel_llama_dir):
     out = run(e, {"x": PROMPTS["r0"]}, params)["x"]
     assert len({tuple(t) for t in out}) > 1
     assert all(detect_watermark(t, KEY).is_watermarked for t in out)
+
+
+def test_the_detect_command_reads_the_servers_config_and_token_ids(marked_engine, capsys):
+    import json
+
+    from pagedmodel.cli import main
+
+    [tokens] = run(marked_engine, {"c": PROMPTS["r1"]},
+                   SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True))["c"]
+    ids = ",".join(map(str, tokens))
+    assert main(["watermark", "detect", "--watermark-config", f'{{"key": {KEY}}}', "--token-ids", ids]) == 0
+    assert json.loads(capsys.readouterr().out)["is_watermarked"] is True
+    assert main(["watermark", "detect", "--key", str(KEY + 1), "--token-ids", ids, "--exit-code"]) == 1
+    assert json.loads(capsys.readouterr().out)["is_watermarked"] is False
+    assert main(["watermark", "detect", "--key", str(KEY), "--token-ids", "1,x"]) == 2
+    assert "--token-ids must be integers" in capsys.readouterr().err
