@@ -36,6 +36,7 @@ from .sequence import SequenceGroup, SequenceStatus
 from .stats import EngineStats
 from .stop_checker import StopChecker
 from .watermark import samples_share_noise, unwatermarked_reason
+from .watermark_config import warn_weak
 from .worker import Worker
 
 log = logging.getLogger("pagedmodel.engine")
@@ -73,6 +74,7 @@ class LLMEngine:
         self.sampler = Sampler(self.device, self.eos_token_ids, self.watermark)
         if self.watermark is not None:
             log.info("watermarking sampled text: %s", self.watermark.describe())
+            warn_weak(self.watermark)
         self._watermark_warned: set[str] = set()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)

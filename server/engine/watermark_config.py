@@ -71,9 +71,7 @@ def parse_watermark_config(value: str | dict[str, Any] | WatermarkConfig | None)
         raise WatermarkConfigError("--watermark-config needs \"key\": the secret integer (0 to 2**64-1) that "
                                    "seeds the watermark and that detection needs")
     _check_fields(value)
-    config = WatermarkConfig(**value)
-    _warn_weak(config)
-    return config
+    return WatermarkConfig(**value)
 
 
 def _is_int(x: object) -> bool:
@@ -106,8 +104,9 @@ def _check_fields(value: dict[str, Any]) -> None:
         fail("allow_target_only_watermarking", "must be true or false")
 
 
-def _warn_weak(config: WatermarkConfig) -> None:
-    """Settings that work but weaken the watermark or the text: said once, at start."""
+def warn_weak(config: WatermarkConfig) -> None:
+    """Settings that work but weaken the watermark or the text: said once, by the engine at start (parsing
+    runs each time EngineArgs is validated)."""
     if config.context_width > ROBUST_CONTEXT_WIDTH:
         log.warning("watermark context_width %d > %d: each edited token spoils that many contexts' evidence",
                     config.context_width, ROBUST_CONTEXT_WIDTH)
