@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("pagedmodel.server.router.app", "rate-limiting, KV-aware router in front of engine replicas"),
     "operator": ("pagedmodel.operator.main", "run the PagedModel Kubernetes operator"),
     "bench": ("pagedmodel.bench", "load-test a running server (`bench serve`)"),
+    "watermark": ("pagedmodel.watermark", "score text for a --watermark-config's watermark (`watermark detect`)"),
 }
 
 

@@ -78,6 +78,7 @@ class _SamplingRequest(StructuredOutputsFields):
     # vLLM's: at most this many thinking tokens, then the end marker is forced (-1: unlimited); needs markers
     # from --reasoning-parser or --reasoning-config
     thinking_token_budget: StrictInt | None = None
+    watermarking: LaxBool | None = None                # vLLM's: false opts out of the engine's watermark
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """The prompt cut to ``truncate_prompt_tokens`` (vLLM's: from the left unless truncation_side says)."""
@@ -131,6 +132,7 @@ class _SamplingRequest(StructuredOutputsFields):
             structured_outputs=self.structured_outputs_params(), logit_bias=parse_logit_bias(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids or None,
             thinking_token_budget=self.thinking_token_budget,
+            watermarking=self.watermarking,
         )
         return SamplingParams(**kwargs)
 

@@ -5,6 +5,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from .watermark_config import WatermarkConfig, WatermarkConfigError, parse_watermark_config
+
 if TYPE_CHECKING:
     from .reasoning_config import ReasoningConfig
 
@@ -56,6 +58,7 @@ class EngineArgs:
     # vLLM's --reasoning-config (JSON text, a dict, or a ReasoningConfig): the thinking markers that
     # thinking_token_budget counts between and forces (reasoning_config.py)
     reasoning_config: "ReasoningConfig | str | dict[str, Any] | None" = None
+    watermark_config: str | dict[str, Any] | WatermarkConfig | None = None   # vLLM's JSON; watermark_config.py
 
     def __post_init__(self) -> None:
         if self.reasoning_config is not None:
@@ -96,6 +99,14 @@ class EngineArgs:
             raise ConfigError("--lora-modules needs --enable-lora")
         for spec in self.lora_modules or []:
             parse_lora_module(spec)
+        self.watermark()
+
+    def watermark(self) -> WatermarkConfig | None:
+        """--watermark-config parsed and checked (a ConfigError names the bad field)."""
+        try:
+            return parse_watermark_config(self.watermark_config)
+        except WatermarkConfigError as exc:
+            raise ConfigError(str(exc)) from None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -137,6 +148,10 @@ class EngineArgs:
           help='vLLM\'s reasoning config: {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"} '
                "(thinking_token_budget counts after the start string and forces the end string; an empty string "
                "comes from --reasoning-parser)")
+        a("--watermark-config", default=None, metavar="JSON",
+          help='watermark sampled text, e.g. \'{"algorithm": "gumbel", "key": 42}\' (vLLM\'s fields: key, algorithm, '
+               'context_width, deduplicate_contexts, deduplicate_contexts_max_history; docs/vllm_compat.md); '
+               '`pagedmodel watermark detect` scores text for it')
         return parser
 
     @classmethod

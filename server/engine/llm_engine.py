@@ -37,6 +37,8 @@ from .sequence import SequenceGroup, SequenceStatus
 from .stats import EngineStats
 from .stop_checker import StopChecker
 from .thinking_budget import ThinkingMarkers
+from .watermark import samples_share_noise, unwatermarked_reason
+from .watermark_config import warn_weak
 from .worker import Worker
 
 log = logging.getLogger("pagedmodel.engine")
@@ -73,7 +75,12 @@ class LLMEngine:
                                   enforce_eager=args.enforce_eager, torch_compile=args.torch_compile,
                                   lora=LoRAState(self.model, args.max_loras) if args.enable_lora else None)
         self.kv_events = self.scheduler.block_manager.kv_events   # None without prefix caching
-        self.sampler = Sampler(self.device, self.eos_token_ids, self.thinking_markers)
+        self.watermark = args.watermark()
+        self.sampler = Sampler(self.device, self.eos_token_ids, self.thinking_markers, self.watermark)
+        if self.watermark is not None:
+            log.info("watermarking sampled text: %s", self.watermark.describe())
+            warn_weak(self.watermark)
+        self._watermark_warned: set[str] = set()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, tuple[SequenceGroup, Future]] = {}   # admitted once their grammar is built
@@ -127,6 +134,7 @@ class LLMEngine:
                               cache_salt=adapter.cache_salt + b"\0" + salt if adapter else salt, lora=adapter,
                               prompt_embeds=inputs.embeds)
         init_offsets(group.seqs[0])
+        self._warn_watermark(params)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]   # nothing scores the first prompt token
             group.prompt_token_ranks = [None]
@@ -146,6 +154,14 @@ class LLMEngine:
             self.sampler.add_grammar(group, self.grammars.wait(grammar, so))   # a bad spec raises, holding nothing
         self.requests[request_id] = group
         self.scheduler.add(group)
+
+    def _warn_watermark(self, params: SamplingParams) -> None:
+        """Once per reason, as vLLM does: a request that will not carry the watermark it would get, or whose
+        samples will come out alike."""
+        reason = unwatermarked_reason(self.watermark, params) or samples_share_noise(self.watermark, params)
+        if reason is not None and reason not in self._watermark_warned:
+            self._watermark_warned.add(reason)
+            log.warning("watermark: %s (said once)", reason)
 
     def _adapter(self, lora_request: LoRARequest | LoRAAdapter | None) -> LoRAAdapter | None:
         if lora_request is None or isinstance(lora_request, LoRAAdapter):

@@ -14,6 +14,10 @@ logprobs, which stay the raw model's), and advances each matcher by the token dr
 Thinking budgets: a sample with ``thinking_token_budget`` has a ``ThinkingBudget`` (thinking_budget.py),
 kept here too; once its budget is spent, the token it forces replaces whatever the row drew (grammar,
 penalties and bias included), and its logprob is the raw model's, as any chosen token's.
+
+Watermark (--watermark-config): a drawn row of a watermarked request carries its context's seed, and its
+token is the keyed Gumbel-max choice (watermark.py) among what the same masks, penalties and truncation
+leave, in place of the seeded draw; greedy and beam rows are untouched.
 """
 from __future__ import annotations
 
@@ -31,6 +35,8 @@ from .random_sampling import draw
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceGroup
 from .thinking_budget import ThinkingBudget, ThinkingMarkers
+from .watermark import ContextHistory, context_of, context_seed, watermark_applies, watermarked_draw
+from .watermark_config import WatermarkConfig
 
 if TYPE_CHECKING:
     from .model_runner import ModelRunnerOutput
@@ -47,6 +53,7 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()   # e.g. EOS before min_tokens is reached
     matcher: Any = None                      # xgrammar.GrammarMatcher of a structured-output sample
     forced_token_id: int | None = None       # a spent thinking budget's end-marker token: drawn regardless
+    watermark_seed: int | None = None        # the keyed noise's seed for this step's context (watermark.py)
 
 
 @dataclass
@@ -138,6 +145,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         for i, token in zip(rest, logits[rest].argmax(dim=-1).tolist()):
             tokens[i] = token
     drawn = [i for i, row in enumerate(rows) if not (row.params.greedy or row.params.use_beam_search)]
+    marked = [i for i in drawn if rows[i].watermark_seed is not None]
+    if marked:
+        drawn = [i for i in drawn if rows[i].watermark_seed is None]
+        block = logits.index_select(0, torch.tensor(marked, dtype=torch.long, device=logits.device))
+        picked = watermarked_draw(block, [rows[i].params for i in marked], [rows[i].watermark_seed for i in marked])
+        for i, token in zip(marked, picked):
+            tokens[i] = token
     if drawn:
         block = logits   # draw() leaves it as it is: the copy is for blocks with other rows only
         if len(drawn) < len(rows):
@@ -249,8 +263,11 @@ class SamplerOutput:
 class Sampler:
     """Per-request sampling state (seeded generators, beam searches) and the step's draws."""
 
-    def __init__(self, device: torch.device, eos_token_ids: set[int], thinking: ThinkingMarkers | None = None):
+    def __init__(self, device: torch.device, eos_token_ids: set[int], thinking: ThinkingMarkers | None = None,
+                 watermark: WatermarkConfig | None = None):
         self.device = device
+        self.watermark = watermark
+        self._histories: dict[tuple[str, int], ContextHistory] = {}   # (request, sample index): contexts seen
         self.eos_token_ids = eos_token_ids   # shared with the stop checker
         self.thinking = thinking             # None: no reasoning config, and no request may ask for a budget
         self._budgets: dict[tuple[str, int], ThinkingBudget] = {}   # (request, sample index)
@@ -274,6 +291,7 @@ class Sampler:
             self._generators.pop((group.request_id, index), None)
             self._matchers.pop((group.request_id, index), None)
             self._budgets.pop((group.request_id, index), None)
+            self._histories.pop((group.request_id, index), None)
 
     def sample(self, out: "ModelRunnerOutput") -> SamplerOutput:
         result = SamplerOutput()
@@ -320,7 +338,9 @@ class Sampler:
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(sorted((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)))
         return SamplingRow(p, group.prompt_token_ids, seq.output_token_ids, gen, banned,
-                           self._matcher(group.request_id, index), self._forced_token(group, seq, index))
+                           self._matcher(group.request_id, index),
+                           forced_token_id=self._forced_token(group, seq, index),
+                           watermark_seed=self._watermark_seed(group, seq, index))
 
     def _forced_token(self, group: SequenceGroup, seq: Sequence, index: int) -> int | None:
         """The end-marker token sample ``index`` must take now, when its thinking budget is spent."""
@@ -333,6 +353,20 @@ class Sampler:
             state = self._budgets[key] = ThinkingBudget(self.thinking, budget, group.prompt_token_ids)
         state.sync(seq.token_ids, seq.num_prompt_tokens)
         return state.forced_token
+
+    def _watermark_seed(self, group: SequenceGroup, seq: Sequence, index: int) -> int | None:
+        """The seed of this step's keyed noise, or None for an ordinary draw: an unwatermarked request, or a
+        context this sample already drew from (its noise would repeat its token and its evidence)."""
+        config = self.watermark
+        if config is None or not watermark_applies(config, group.params):
+            return None
+        history = self._histories.get((group.request_id, index))
+        if history is None:
+            history = self._histories[(group.request_id, index)] = ContextHistory(config, group.prompt_token_ids)
+        output = seq.output_token_ids
+        if history.repeated(output):
+            return None
+        return context_seed(config.key, context_of(output, config.context_width))
 
     def _matcher(self, request_id: str, index: int) -> Any:
         compiled = self._grammars.get(request_id)

@@ -52,6 +52,7 @@ class SamplingParams:
     # vLLM's: at most this many tokens per thinking section, then the end marker is forced (thinking_budget.py);
     # -1 means unlimited, as None does
     thinking_token_budget: int | None = None
+    watermarking: bool | None = None   # vLLM's: False opts out of the engine's --watermark-config (None: on)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +130,8 @@ class SamplingParams:
                 fail(f"{name} must be a non-empty list of token ids", name)
         if self.logprob_token_ids is not None and self.use_beam_search:
             fail("logprob_token_ids is not supported with beam search", "logprob_token_ids")
+        if self.watermarking not in (None, True, False):
+            fail(f"watermarking must be true, false or null, got {self.watermarking!r}", "watermarking")
         if self.early_stopping not in (True, False, "never"):
             fail(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}", "early_stopping")
         if self.use_beam_search:

@@ -111,6 +111,9 @@ def test_max_logprobs_up_to_the_vocabulary(vllm_server: ServerProcess) -> None:
     (["--reasoning-config", "<think>"], "--reasoning-config is not valid JSON"),
     (["--reasoning-config", '{"reasoning_parser": "mistral"}'],
      "--reasoning-config reasoning_parser: vLLM's reasoning parser 'mistral' is not served here"),
+    (["--watermark-config", '{"algorithm": "gumbel"}'], '--watermark-config needs "key"'),
+    (["--watermark-config", '{"key": 42, "seed": 1}'], "--watermark-config: unknown field(s) 'seed'"),
+    (["--watermark-config", '{"key": 42, "algorithm": "dual_key_gumbel"}'], "'dual_key_gumbel' is not served"),
 ])
 def test_flags_that_would_change_results_are_refused(server_model_dir: Path, args: list[str], message: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pagedmodel.cli", "serve", "--model", str(server_model_dir),

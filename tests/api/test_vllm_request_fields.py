@@ -346,3 +346,13 @@ def test_truncate_prompt_tokens_keeps_the_side_asked_for(client: openai.OpenAI, 
     for bad in (0, -2, 10 ** 6):
         r = _post(api_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "truncate_prompt_tokens": bad})
         assert_openai_error(r.status_code, r.text, 400, param="truncate_prompt_tokens")
+
+
+def test_watermarking_field_is_taken_and_checked(api_server: ServerProcess) -> None:
+    """vLLM's per-request switch: true/false (lax, like its other booleans) are served; on a server without
+    --watermark-config true only logs that the answer is not watermarked; anything else is a 400."""
+    for value in (False, True, "false"):
+        r = _post(api_server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "watermarking": value})
+        assert r.status_code == 200, r.text
+    r = _post(api_server, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "watermarking": "maybe"})
+    assert r.status_code == 400 and "watermarking" in r.text, r.text
