@@ -8,13 +8,13 @@ import re
 import secrets
 from typing import TYPE_CHECKING
 
-import torch
-
 from pagedmodel.server.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, EmbedSpan, PromptEmbeds
 from .errors import APIError
 from .protocol import ChatMessage, PromptEmbedsContentPart
 
 if TYPE_CHECKING:
+    import torch
+
     from .serving import OpenAIServing
 
 

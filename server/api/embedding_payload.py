@@ -10,8 +10,10 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MAX_REASON_CHARS = 200
 
@@ -33,6 +35,8 @@ def decode_embeddings(data: object, param: str = "prompt_embeds") -> torch.Tenso
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise EmbeddingPayloadError(f"{param} is not valid base64", param) from None
+    import torch   # here, not at import: the API's modules load without torch
+
     try:
         with torch.sparse.check_sparse_tensor_invariants():
             tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")

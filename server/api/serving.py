@@ -16,15 +16,13 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from pagedmodel.server.engine.input_processor import InvalidRequestError, encode_prompt
 from pagedmodel.server.engine.outputs import RequestOutput
-from pagedmodel.server.engine.prompt_embeds import PromptEmbeds
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .allocator import heap_trimmer
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
@@ -37,6 +35,11 @@ from .metrics import ServerMetrics, cache_config_labels
 from .protocol import ChatMessage, CompletionTokensDetails, PromptTokensDetails, UsageInfo
 from .tool_definitions import FunctionTool
 from .tool_prompt import prepare_chat
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedmodel.server.engine.prompt_embeds import PromptEmbeds
 
 logger = logging.getLogger("pagedmodel.server.api")
 

@@ -11,9 +11,7 @@ for context-length errors, OpenAI's ``context_length_exceeded`` code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .prompt_embeds import PLACEHOLDER_TOKEN_ID, PromptEmbeds, check_embeds_tensor
 from .sampling_params import SamplingParams
@@ -21,6 +19,9 @@ from .sampling_params import SamplingParams
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 PROMPT_DICT_KEYS = frozenset(PROMPT_KEYS + ("prompt_embeds", "cache_salt"))
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+if TYPE_CHECKING:   # the API imports this module; torch loads with the engine
+    import torch
 
 
 class InvalidRequestError(ValueError):

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # torch loads with the engine, not with the API's modules (`pagedmodel --help` stays fast)
+    import torch
 
 PLACEHOLDER_TOKEN_ID = 0
 
@@ -43,6 +45,8 @@ class PromptEmbeds:
 
     def digest(self) -> bytes:
         """Identifies the embeddings and where they sit (the prefix cache's key beside the token ids)."""
+        import torch
+
         h = hashlib.sha256()
         for span in self.spans:
             rows = span.rows.contiguous()
@@ -65,6 +69,8 @@ def check_embeds_tensor(tensor: object, hidden_size: int, dtype: torch.dtype, ma
     """A caller's tensor as a span's rows: 2-D (a leading batch of 1 is dropped), ``hidden_size`` wide,
     floating point (cast to the model's dtype), dense, finite, at most ``max_rows`` long; raises
     ValueError saying what is wrong."""
+    import torch
+
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{param} must be a tensor, got {type(tensor).__name__}")
     if tensor.dim() == 3 and tensor.shape[0] == 1:
