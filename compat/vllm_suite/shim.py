@@ -78,8 +78,10 @@ NAME_KEYWORDS = ("pretrained_model_name_or_path", "tokenizer_name", "model_name"
 def _with_local_name(load):
     @functools.wraps(load)
     def wrapper(*args, **kwargs):
-        if args:
-            args = (local_name(args[0]), *args[1:])
+        # the name is the first positional string (after the class, for a classmethod)
+        first = next((i for i, a in enumerate(args) if isinstance(a, str)), None)
+        if first is not None:
+            args = (*args[:first], local_name(args[first]), *args[first + 1:])
         for key in NAME_KEYWORDS:
             if key in kwargs:
                 kwargs[key] = local_name(kwargs[key])
@@ -94,6 +96,11 @@ def pytest_configure(config) -> None:
     import vllm.tokenizers
 
     for cls in (transformers.AutoTokenizer, transformers.AutoConfig):
+        cls.from_pretrained = _with_local_name(cls.from_pretrained.__func__).__get__(cls)
+    # the fixtures that compute reference embeddings with HF load the model itself (each AutoModel* class
+    # holds its own copy of from_pretrained)
+    for name in [n for n in dir(transformers) if n.startswith("AutoModel")]:
+        cls = getattr(transformers, name)
         cls.from_pretrained = _with_local_name(cls.from_pretrained.__func__).__get__(cls)
     vllm.tokenizers.get_tokenizer = _with_local_name(vllm.tokenizers.get_tokenizer)
 
