@@ -121,7 +121,8 @@ def document(servers: dict[str, str]) -> dict:
             ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/health"), ("GET", "/metrics")} <= ops
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/CompletionRequest"}
-    assert "prompt" in doc["components"]["schemas"]["CompletionRequest"]["required"]
+    # prompt or prompt_embeds (vLLM's): neither is required alone, both are described
+    assert {"prompt", "prompt_embeds"} <= set(doc["components"]["schemas"]["CompletionRequest"]["properties"])
     return doc
 
 
