@@ -24,6 +24,10 @@ def run(args: argparse.Namespace) -> int:
     from pagedmodel.server.engine.llm import LLM
     from pagedmodel.server.engine.model_store import ModelNotAvailableError
 
+    if args.skip_tokenizer_init:
+        print("pagedmodel generate: reads and prints text, so needs the tokenizer: drop --skip-tokenizer-init",
+              file=sys.stderr)
+        return 2
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, n=args.n, seed=args.sampling_seed)

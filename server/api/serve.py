@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         engine.tokenizer.chat_template = chat_template
     for note in vllm_notes:
         logger.info("%s", note)
-    vocab = len(engine.tokenizer)
+    vocab = len(engine.tokenizer) if engine.tokenizer is not None else engine.vocab_size
     limits = limits_from_args(args, max_logprobs_ceiling=vocab, max_logprobs=max_logprobs_for(args.max_logprobs, vocab))
     config = ServerConfig(served_model_name=engine.model_name, api_key=api_key_from(args.api_key, dict(os.environ)),
                           log_requests=args.log_requests, max_queue_len=engine_args.max_queue_len,

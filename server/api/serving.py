@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from pagedmodel.server.engine.input_processor import InvalidRequestError, encode_prompt
+from pagedmodel.server.engine.input_processor import NO_TOKENIZER, InvalidRequestError, encode_prompt
 from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .allocator import heap_trimmer
@@ -96,15 +96,18 @@ class OpenAIServing:
         # The engine's own checks (input_processor.py): its messages are what the client reads.
         self.inputs = engine.input_processor
         # Own copies: the engine thread uses engine.tokenizer, the executor encodes, the loop decodes.
+        # None (--skip-tokenizer-init): token ids in and out; what needs text is a 400 (require_tokenizer).
         self._enc_tokenizer = copy.deepcopy(engine.tokenizer)
         self._dec_tokenizer = copy.deepcopy(engine.tokenizer)
+        self.vocab_size = int(engine.vocab_size)
         self._tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self._token_str_cache: dict[int, str] = {}
         limits = config.limits
         self.max_prompt_tokens = min(self.max_model_len, limits.max_prompt_tokens or self.max_model_len)
         # No token spells more characters than its longest vocabulary piece, so a text longer than this
         # is over the token limit for sure: refused without paying to tokenize it (a 8 MiB prompt).
-        longest = max((len(p) for p in self._enc_tokenizer.get_vocab()), default=1)
+        vocab = self._enc_tokenizer.get_vocab() if self._enc_tokenizer is not None else {}
+        longest = max((len(p) for p in vocab), default=1)
         self.max_prompt_chars = self.max_prompt_tokens * max(1, longest)
         self.async_engine = AsyncEngine(engine, max_queue_len=config.max_queue_len,
                                         retry_after_s=config.retry_after_s, heap_trimmer=heap_trimmer())
@@ -210,6 +213,7 @@ class OpenAIServing:
         ``template_kwargs``: the request's chat_template_kwargs, extra variables for the template (Qwen3's
         enable_thinking); names that are render_chat's own arguments are not theirs to change.
         """
+        self.require_tokenizer("chat messages need the chat template", "messages")
         template = getattr(self._enc_tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, f"model `{self.model_name}` has no chat template; use /v1/completions",
@@ -252,23 +256,32 @@ class OpenAIServing:
                                 f"can spell ({self.max_prompt_chars}); the limit is {self.max_prompt_tokens} tokens",
                            param=param, code="context_length_exceeded")
 
+    def require_tokenizer(self, what: str, param: str | None = None) -> None:
+        """A 400 naming ``what`` when the server has no tokenizer (--skip-tokenizer-init)."""
+        if self._dec_tokenizer is None:
+            raise APIError(400, f"{NO_TOKENIZER}: {what}", param=param, code="tokenizer_not_loaded")
+
     def decode(self, ids: list[int]) -> str:
-        """Token ids as text, on the event loop's own tokenizer copy (an echoed token-id prompt)."""
-        return self._dec_tokenizer.decode(ids)
+        """Token ids as text, on the event loop's own tokenizer copy (an echoed token-id prompt); "" without
+        a tokenizer, as vLLM echoes then."""
+        return self._dec_tokenizer.decode(ids) if self._dec_tokenizer is not None else ""
 
     @property
     def tokenizer_size(self) -> int:
-        """Ids the tokenizer can decode (the model's logits may be wider, padded to a round size)."""
-        return len(self._dec_tokenizer)
+        """Ids the tokenizer can decode (the model's logits may be wider, padded to a round size); without a
+        tokenizer, the model's vocabulary."""
+        return len(self._dec_tokenizer) if self._dec_tokenizer is not None else self.vocab_size
 
     def token_pieces(self, ids: list[int]) -> list[str]:
         """The tokenizer's own piece for each id (`Ġhello`), as vLLM's /tokenize returns them."""
+        self.require_tokenizer("token pieces need the tokenizer's vocabulary")
         return list(self._dec_tokenizer.convert_ids_to_tokens(ids))
 
     def token_str(self, token_id: int) -> str:
+        """One token as text (logprobs); without a tokenizer, ``token_id:N`` as with return_tokens_as_token_ids."""
         s = self._token_str_cache.get(token_id)
         if s is None:
-            s = self._dec_tokenizer.decode([token_id])
+            s = self._dec_tokenizer.decode([token_id]) if self._dec_tokenizer is not None else f"token_id:{token_id}"
             self._token_str_cache[token_id] = s
         return s
 

@@ -67,6 +67,7 @@ async def tokenize(serving: OpenAIServing, request: Request) -> JSONResponse:
 async def detokenize(serving: OpenAIServing, request: Request) -> JSONResponse:
     req = await serving.parse_body(request, DetokenizeRequest)
     serving.check_model(req.model)
+    serving.require_tokenizer("/detokenize needs the tokenizer", "tokens")
     limit = serving.tokenizer_size
     for i, t in enumerate(req.tokens):
         if not 0 <= t < limit:

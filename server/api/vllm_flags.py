@@ -4,8 +4,10 @@ Each flag is one of three kinds:
 - implemented: it does here what it does in vLLM (--root-path, --enable-request-id-headers, ...);
 - no effect: it only tunes something this engine does not have or always does (the frontend process,
   chunked prefill); accepted, and one log line says so;
-- refused: a value that would change results in a way we cannot honour (--runner pooling, --load-format
-  dummy, a --reasoning-parser we do not have): exit 2 with a message naming the flag.
+- refused: a value that would change results in a way we cannot honour (--runner pooling, a
+  --reasoning-parser we do not have): exit 2 with a message naming the flag.
+
+(--load-format and --skip-tokenizer-init change what the engine loads: EngineArgs owns them.)
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from .reasoning import REASONING_PARSERS, check_reasoning_parser
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
 OUR_STRUCTURED_OUTPUT_BACKEND = "xgrammar"
 RUNNERS_SERVED = ("auto", "generate")
-LOAD_FORMATS_SERVED = ("auto", "safetensors")   # the loader reads *.safetensors and nothing else
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,6 @@ def add_vllm_flag_arguments(parser: argparse.ArgumentParser) -> None:
       choices=STRUCTURED_OUTPUT_BACKENDS, help=f"accepted; structured outputs always use {OUR_STRUCTURED_OUTPUT_BACKEND}")
     a("--runner", default=None, choices=("auto", "generate", "pooling", "draft"),
       help="only the generate runner is served (auto means generate)")
-    a("--load-format", default=None,
-      help=f"weights format; {' and '.join(LOAD_FORMATS_SERVED)} (safetensors checkpoints) are served")
     a("--show-hidden-metrics-for-version", default=None, metavar="VERSION", help="accepted; no effect here")
     a("--max-cpu-loras", type=int, default=None, help="accepted; no effect here")
     a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -86,11 +85,8 @@ def check_vllm_flags(args: argparse.Namespace) -> list[str]:
     if runner is not None and runner not in RUNNERS_SERVED:
         raise ValueError(f"--runner {runner} is not served: this engine runs generative models only "
                          f"(--runner generate)")
-    load_format = getattr(args, "load_format", None)
-    if load_format is not None and load_format not in LOAD_FORMATS_SERVED:
-        raise ValueError(f"--load-format {load_format} is not served: the loader reads safetensors "
-                         f"checkpoints only (--load-format auto or safetensors)")
     check_reasoning_parser(getattr(args, "reasoning_parser", None))
+    check_tokenizer_free(args)
     notes = [f"{f.flag} has no effect here: {f.why}" for f in NO_EFFECT_FLAGS
              if getattr(args, f.dest, None) is not None]
     backend = getattr(args, "structured_outputs_backend", None)
@@ -98,6 +94,22 @@ def check_vllm_flags(args: argparse.Namespace) -> list[str]:
         notes.append(f"--structured-outputs-config.backend {backend} has no effect here: structured outputs "
                      f"are always compiled by {OUR_STRUCTURED_OUTPUT_BACKEND}, which enforces the same constraints")
     return notes
+
+
+# flags whose feature reads or writes text, so cannot work without a tokenizer
+NEEDS_TOKENIZER = (("chat_template", "--chat-template"), ("enable_auto_tool_choice", "--enable-auto-tool-choice"),
+                   ("reasoning_parser", "--reasoning-parser"), ("reasoning_config", "--reasoning-config"),
+                   ("enable_tokenizer_info_endpoint", "--enable-tokenizer-info-endpoint"))
+
+
+def check_tokenizer_free(args: argparse.Namespace) -> None:
+    """--skip-tokenizer-init serves token ids only: a flag that needs the tokenizer is refused with it, at start."""
+    if not getattr(args, "skip_tokenizer_init", False):
+        return
+    given = [flag for dest, flag in NEEDS_TOKENIZER if getattr(args, dest, None)]
+    if given:
+        raise ValueError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} the tokenizer, so cannot go "
+                         f"with --skip-tokenizer-init")
 
 
 def max_logprobs_for(requested: int, vocab_size: int) -> int:

@@ -20,6 +20,9 @@ GPU_BLOCK_SIZE = 16
 PREEMPTION_MODES = ("swap", "recompute")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}   # vLLM's --dtype names for the same types
+# --load-format: auto and safetensors read the checkpoint's *.safetensors; dummy initialises the weights at
+# random from config.json alone (vLLM's: for profiling and for tests that need a model's shape, not its answers)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def canonical_dtype(name: str) -> str:
@@ -55,6 +58,8 @@ class EngineArgs:
     max_lora_rank: int = 16
     lora_modules: list[str] | None = None       # "name=path" or '{"name": ..., "path": ...}' loaded at start
     enable_prompt_embeds: bool = False          # prompts may come as input embeddings (vLLM's flag)
+    load_format: str = "auto"                   # LOAD_FORMATS
+    skip_tokenizer_init: bool = False           # no tokenizer: token ids in, token ids out (vLLM's flag)
     # vLLM's --reasoning-config (JSON text, a dict, or a ReasoningConfig): the thinking markers that
     # thinking_token_budget counts between and forces (reasoning_config.py)
     reasoning_config: "ReasoningConfig | str | dict[str, Any] | None" = None
@@ -95,6 +100,9 @@ class EngineArgs:
             raise ConfigError(f"--max-loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ConfigError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"--load-format {self.load_format} is not served: the loader reads safetensors "
+                              f"checkpoints (auto, safetensors) or initialises random weights (dummy)")
         if self.lora_modules and not self.enable_lora:
             raise ConfigError("--lora-modules needs --enable-lora")
         for spec in self.lora_modules or []:
@@ -144,6 +152,12 @@ class EngineArgs:
         a("--enable-prompt-embeds", action="store_true",
           help="accept prompts as input embeddings: completions' prompt_embeds, chat's prompt_embeds content parts "
                "(base64 of torch.save of a [num_tokens, hidden_size] tensor)")
+        a("--load-format", default=d["load_format"].default, metavar="FORMAT",
+          help="auto or safetensors: the checkpoint's *.safetensors; dummy: random weights from config.json alone "
+               "(the model's shape and speed, not its answers)")
+        a("--skip-tokenizer-init", action="store_true",
+          help="load no tokenizer: prompts are token ids, outputs are token ids with empty text (no chat, stop "
+               "strings or structured outputs); logprobs name tokens as token_id:N")
         a("--reasoning-config", default=None, metavar="JSON",
           help='vLLM\'s reasoning config: {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"} '
                "(thinking_token_budget counts after the start string and forces the end string; an empty string "

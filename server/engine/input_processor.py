@@ -41,9 +41,14 @@ class ProcessedPrompt:
     embeds: PromptEmbeds | None = None   # positions whose input is an embedding row (their ids: placeholders)
 
 
+NO_TOKENIZER = "this server runs without a tokenizer (--skip-tokenizer-init)"
+
+
 def encode_prompt(tokenizer: Any, text: str, param: str = "prompt") -> list[int]:
     """Token ids of ``text``; the tokenizer is a parameter so a server can encode on its own copy in its
-    own thread."""
+    own thread (None: --skip-tokenizer-init, which takes token ids only)."""
+    if tokenizer is None:
+        raise InvalidRequestError(f"{NO_TOKENIZER}: a prompt must be token ids, not text", param)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -170,6 +175,8 @@ class InputProcessor:
             raise InvalidRequestError("thinking_token_budget needs a server started with --reasoning-parser or "
                                       "--reasoning-config (which name the thinking markers); this one has none",
                                       "thinking_token_budget")
+        if self.tokenizer is None:
+            self._check_needs_no_text(params)
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
             raise InvalidRequestError("stop_token_ids contains ids outside the vocabulary", "stop_token_ids")
         total = len(ids) + (params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids))
@@ -177,6 +184,15 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"{params.best_of} sequences of up to {total} tokens cannot fit in the KV cache "
                 f"({self.num_kv_blocks * self.block_size} tokens)", "max_tokens")
+
+    @staticmethod
+    def _check_needs_no_text(params: SamplingParams) -> None:
+        """Without a tokenizer there is no output text: what reads or constrains text is refused, not ignored."""
+        if params.stop:
+            raise InvalidRequestError(f"{NO_TOKENIZER}: stop strings need text; use stop_token_ids", "stop")
+        if params.structured_outputs is not None:
+            raise InvalidRequestError(f"{NO_TOKENIZER}: structured outputs need the tokenizer's vocabulary",
+                                      "structured_outputs")
 
     def _check_length(self, n: int, max_tokens: int | None, param: str) -> None:
         limit = self.max_model_len

@@ -52,7 +52,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         # the block size is fixed here, for everything after (cache, scheduler, metrics), from the device
         args = self.args = replace(args, block_size=pick_block_size(args.block_size, pick_device(args.device)))
-        log.info("preparing the model (%s) and its tokenizer", args.model or "the default, SmolLM2-135M-Instruct")
+        log.info("preparing the model (%s)%s", args.model or "the default, SmolLM2-135M-Instruct",
+                 "" if args.skip_tokenizer_init else " and its tokenizer")
         mc = self.model_config = ModelConfig.from_args(args)
         self.model_name, self.tokenizer, self.max_model_len = mc.served_name, mc.tokenizer, mc.max_model_len
         self.vocab_size, self.eos_token_ids = mc.vocab_size, mc.eos_token_ids
@@ -96,6 +97,9 @@ class LLMEngine:
         if config is None:
             return None
         assert isinstance(config, ReasoningConfig)   # EngineArgs parsed it
+        if self.tokenizer is None:
+            raise ConfigError("--reasoning-config and --reasoning-parser need the tokenizer (the thinking markers "
+                              "are text); they cannot go with --skip-tokenizer-init")
         markers = config.markers(self.tokenizer)
         if markers is None:
             log.warning("--reasoning-config names no start and end strings (nor a reasoning parser that has "

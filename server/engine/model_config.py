@@ -1,4 +1,7 @@
-"""What the checkpoint is: its directory and served name, HF config, tokenizer, context limit and EOS ids."""
+"""What the checkpoint is: its directory and served name, HF config, tokenizer, context limit and EOS ids.
+
+With --skip-tokenizer-init there is no tokenizer (``tokenizer`` is None): the engine takes token ids and gives
+token ids, its EOS ids come from the model's config and generation_config.json alone."""
 from __future__ import annotations
 
 import json
@@ -15,7 +18,7 @@ class ModelConfig:
     model_dir: Path
     served_name: str
     hf_config: Any
-    tokenizer: Any
+    tokenizer: Any            # None: --skip-tokenizer-init
     max_model_len: int
     eos_token_ids: set[int]   # one set, shared by the sampler (min_tokens) and the stop checker
 
@@ -25,10 +28,10 @@ class ModelConfig:
 
         from .model_store import resolve_model
 
-        model_dir = Path(resolve_model(args.model))
+        model_dir = Path(resolve_model(args.model, weights=args.load_format != "dummy"))
         config = read_config(model_dir)
         model_class(config)  # unsupported architectures fail here, before any allocation
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        tokenizer = None if args.skip_tokenizer_init else AutoTokenizer.from_pretrained(str(model_dir))
         return cls(model_dir, args.served_model_name or _default_served_name(args.model, model_dir), config,
                    tokenizer, _max_model_len(config, args.max_model_len), _eos_ids(tokenizer, config, model_dir))
 

@@ -124,8 +124,9 @@ def cache_root() -> Path:
 # Resolving --model
 
 
-def resolve_model(model: str | None) -> Path:
-    """The local HF-format directory for `model` (see the module docstring for what it accepts)."""
+def resolve_model(model: str | None, weights: bool = True) -> Path:
+    """The local HF-format directory for `model` (see the module docstring for what it accepts); with
+    ``weights=False`` (--load-format dummy) its config alone will do: no *.safetensors are needed."""
     if model is None or not str(model).strip():
         return prepare_model(SMOLLM2)
     model = str(model).strip()
@@ -134,14 +135,14 @@ def resolve_model(model: str | None) -> Path:
             return prepare_model(source)
     path = Path(model).expanduser()
     if path.exists() or _looks_like_path(model):
-        return validate_model_dir(path)
+        return validate_model_dir(path, weights)
     repo_id = model.removeprefix("hf://")
     if not _HUB_ID.fullmatch(repo_id):
         raise ModelNotAvailableError(
             f"model {model!r} is neither an existing directory, a built-in name ({', '.join(BUILTIN_SOURCES)}) "
             "nor a Hugging Face Hub id like 'org/name'"
         )
-    return validate_model_dir(_fetch_from_hub(repo_id, MODEL_FILES))
+    return validate_model_dir(_fetch_from_hub(repo_id, MODEL_FILES if weights else CONFIG_FILES), weights)
 
 
 def resolve_adapter(source: str) -> Path:
@@ -157,6 +158,7 @@ def resolve_adapter(source: str) -> Path:
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+CONFIG_FILES = ["*.json", "*.jinja", "tokenizer.model", "*.txt"]   # all but the weights (--load-format dummy)
 ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
 
 
@@ -165,8 +167,9 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.count("/") > 1 or model.endswith("/")
 
 
-def validate_model_dir(path: Path) -> Path:
-    """`path` if it holds a loadable model (config.json, supported architecture, safetensors), else raises."""
+def validate_model_dir(path: Path, weights: bool = True) -> Path:
+    """`path` if it holds a loadable model (config.json, supported architecture, and with ``weights`` its
+    safetensors), else raises."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelNotAvailableError(f"model directory {path} does not exist")
@@ -194,6 +197,8 @@ def validate_model_dir(path: Path) -> Path:
             f"{config_path} has architecture {', '.join(map(str, architectures))}, which is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if not weights:
+        return path
     if not any(path.glob("*.safetensors")):
         other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
         found = f" (found {', '.join(other[:3])}: convert them to safetensors)" if other else ""

@@ -62,13 +62,19 @@ class OutputProcessor:
                              prompt_token_ranks=list(group.prompt_token_ranks),
                              new_token_counts=[new_counts.get(s.seq_id, 0) for s in seqs])
 
+    def _text(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        """The tokens as text; "" without a tokenizer (--skip-tokenizer-init), as in vLLM."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
     def _beam_output(self, group: SequenceGroup, decision: BeamDecision) -> RequestOutput:
         p = group.params
         completions = []
         for i, hyp in enumerate(decision.hypotheses[:p.n]):
             ended = bool(hyp.tokens) and hyp.tokens[-1] in decision.eos_token_ids
             completions.append(CompletionOutput(
-                index=i, text=self.tokenizer.decode(hyp.tokens, skip_special_tokens=p.skip_special_tokens),
+                index=i, text=self._text(hyp.tokens, p.skip_special_tokens),
                 token_ids=list(hyp.tokens), cumulative_logprob=hyp.cum_logprob,
                 finish_reason="stop" if ended else "length"))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True,

@@ -15,7 +15,7 @@ class StopChecker:
     """``eos_token_ids`` is shared with the sampler (which bans EOS before ``min_tokens``): one set."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: set[int], max_model_len: int):
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer   # None (--skip-tokenizer-init): no text, and no stop strings to match
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
@@ -23,11 +23,13 @@ class StopChecker:
         """Extend ``seq``'s text by its newest token and mark it finished if a stop condition holds; a finished
         sequence's text is the decode of its tokens (a stop string's cut aside)."""
         self._check(group, seq, token)
-        if seq.is_finished and not isinstance(seq.stop_reason, str):   # a stop string cut the text itself
+        # (a stop string cut the text itself)
+        if self.tokenizer is not None and seq.is_finished and not isinstance(seq.stop_reason, str):
             flush_held_text(self.tokenizer, seq, group.params.skip_special_tokens)
 
     def _check(self, group: SequenceGroup, seq: Sequence, token: int) -> None:
-        detokenize_incrementally(self.tokenizer, seq, group.params.skip_special_tokens)
+        if self.tokenizer is not None:
+            detokenize_incrementally(self.tokenizer, seq, group.params.skip_special_tokens)
         p = group.params
         # a grammar that let EOS through has ended: that stops even an ignore_eos request
         ends = not p.ignore_eos or p.structured_outputs is not None

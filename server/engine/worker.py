@@ -14,7 +14,7 @@ from .kv_cache import KVCache, bytes_per_block
 from .memory_profiler import num_kv_blocks
 from .model_config import ModelConfig
 from .models.llama import LlamaForCausalLM
-from .models.loader import load_weights
+from .models.loader import init_dummy_weights, load_weights
 
 log = logging.getLogger("pagedmodel.engine")
 
@@ -27,9 +27,13 @@ class Worker:
         if self.device.type == "cpu" and self.backend.cache_write_is_cpu_op:
             cpu_ops.load()   # load the CPU ops (and log which build) now, not in the first request
         torch.manual_seed(args.seed)
-        log.info("loading the weights from %s (%s on %s)", mc.model_dir, self.dtype, self.device)
         self.model = LlamaForCausalLM(mc.hf_config, max_positions=mc.max_model_len)
-        load_weights(self.model, mc.model_dir, self.dtype, self.device)
+        if args.load_format == "dummy":
+            log.warning("--load-format dummy: random weights (%s on %s); answers are noise", self.dtype, self.device)
+            init_dummy_weights(self.model, self.dtype, self.device, args.seed)
+        else:
+            log.info("loading the weights from %s (%s on %s)", mc.model_dir, self.dtype, self.device)
+            load_weights(self.model, mc.model_dir, self.dtype, self.device)
         self.model.eval()
         if self.device.type == "cpu":
             log.info("packing the linear layers")

@@ -98,7 +98,11 @@ def test_max_logprobs_up_to_the_vocabulary(vllm_server: ServerProcess) -> None:
 
 @pytest.mark.parametrize("args,message", [
     (["--runner", "pooling"], "--runner pooling is not served"),
-    (["--load-format", "dummy"], "--load-format dummy is not served"),
+    (["--load-format", "tensorizer"], "--load-format tensorizer is not served"),
+    # without a tokenizer there is no text: flags that read or write it are refused with it, at start
+    (["--skip-tokenizer-init", "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser",
+      "qwen3"], "--enable-auto-tool-choice, --reasoning-parser need the tokenizer, so cannot go with "
+                "--skip-tokenizer-init"),
     (["--max-logprobs", "-5"], "--max-logprobs"),
     (["other-model"], "the model is named twice, differently"),
     # a parser that would change answers is never ignored: vLLM's other names and typos alike

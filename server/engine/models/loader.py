@@ -77,6 +77,19 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, dtype: torch.dtype, d
     model.to(device=device, dtype=dtype)
 
 
+DUMMY_WEIGHT_RANGE = 1e-3   # vLLM's dummy range: logits stay near zero, so every token is about as likely
+
+
+def init_dummy_weights(model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+    """--load-format dummy: every parameter uniform in +-DUMMY_WEIGHT_RANGE, from ``seed`` (the same model on
+    every start with the same --seed); the rotary tables are buffers, computed as for real weights."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+    model.to(device=device, dtype=dtype)
+
+
 def _assign(param: torch.nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(param.shape)}")
