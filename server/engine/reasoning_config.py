@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .args import ConfigError
+from .json_flag import json_object_flag
 from .thinking_budget import ThinkingMarkers
 
 CONFIG_KEYS = ("reasoning_parser", "reasoning_start_str", "reasoning_end_str")
@@ -32,14 +33,7 @@ class ReasoningConfig:
         """The flag's JSON text (or a dict, offline); ConfigError naming the bad key or value."""
         if isinstance(value, ReasoningConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ConfigError(f"--reasoning-config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"--reasoning-config must be a JSON object with keys {', '.join(CONFIG_KEYS)}; "
-                              f"got {type(value).__name__}")
+        value = json_object_flag("--reasoning-config", value, ConfigError, f"with keys {', '.join(CONFIG_KEYS)}")
         unknown = sorted(str(k) for k in value if k not in CONFIG_KEYS)
         if unknown:
             raise ConfigError(f"--reasoning-config: unknown key(s) {', '.join(unknown)}; "

@@ -7,10 +7,11 @@ from our own keyed PRF, so vLLM's detector would not find it; ``pagedmodel water
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from .json_flag import json_object_flag
 
 log = logging.getLogger("pagedmodel.engine")
 
@@ -54,14 +55,8 @@ def parse_watermark_config(value: str | dict[str, Any] | WatermarkConfig | None)
     """The flag's JSON text (or an offline caller's dict) as a checked WatermarkConfig; None stays None."""
     if value is None or isinstance(value, WatermarkConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as exc:
-            raise WatermarkConfigError(f"--watermark-config is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise WatermarkConfigError("--watermark-config must be a JSON object, e.g. '{\"algorithm\": \"gumbel\", "
-                                   "\"key\": 42}'")
+    value = json_object_flag("--watermark-config", value, WatermarkConfigError,
+                             "such as '{\"algorithm\": \"gumbel\", \"key\": 42}'")
     known = set(WatermarkConfig.__dataclass_fields__)
     unknown = sorted(set(value) - known)
     if unknown:
