@@ -152,13 +152,9 @@ def logprob_count(value: int | None, name: str, vocab_size: int, max_logprobs: i
 
 def engine_seed(seed: int | None) -> int | None:
     """vLLM takes any int64 seed; the sampler seeds with ``seed % 2**63`` (sampler.py), so a negative seed is
-    passed as that same residue: the draws are those the sampler would make from the negative seed itself."""
-    if seed is None:
-        return None
-    if not INT64_MIN <= seed <= INT64_MAX:
-        raise SamplingParamsError(f"seed must be a 64-bit integer (between {INT64_MIN} and {INT64_MAX}), got {seed}",
-                                  "seed")
-    return seed % 2**63
+    passed as that same residue: the draws are those the sampler would make from the negative seed itself.
+    (The field's own bounds refuse a seed outside int64 with pydantic's message, before this runs.)"""
+    return None if seed is None else seed % 2**63
 
 
 def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
