@@ -14,6 +14,8 @@ from support import wait_until
 
 from .conftest import ServerProcess
 
+REAL_MODEL_ARGS = ("--max-model-len", "1024", "--kv-cache-memory", str(64 << 20))
+
 
 def _stream_in_background(srv: ServerProcess, max_tokens: int) -> tuple[threading.Thread, list[str], threading.Event]:
     """A streaming request on its own thread; `started` is set once its first chunk has arrived."""
@@ -50,12 +52,12 @@ def _refused(url: str) -> bool:
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_stream_then_exits_zero(server_model_dir: Path, tmp_path: Path) -> None:
-    # ~1,000 tiny-model steps take about a second: the stream is still running when SIGTERM lands
-    srv = ServerProcess(server_model_dir, tmp_path / "server.log", "--max-model-len", "1024",
-                        "--kv-cache-memory", str(4 << 20)).wait_ready()
+def test_sigterm_drains_in_flight_stream_then_exits_zero(smollm2_dir: Path, tmp_path: Path) -> None:
+    # the real model, not the tiny one: its 300 steps take seconds on any machine (the tiny model's ~1 ms steps
+    # raced the signal on a fast one), so the stream is still running when SIGTERM lands
+    srv = ServerProcess(smollm2_dir, tmp_path / "server.log", *REAL_MODEL_ARGS).wait_ready()
     try:
-        thread, lines, started = _stream_in_background(srv, max_tokens=1000)
+        thread, lines, started = _stream_in_background(srv, max_tokens=300)
         assert started.wait(30)
         srv.proc.send_signal(signal.SIGTERM)
         # the listening socket closes at once, while the stream is still being served
@@ -67,16 +69,16 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(server_model_dir: Path,
         srv.stop()
     assert lines[-1] == "data: [DONE]", lines[-3:]
     usage = json.loads(lines[-2][6:])["usage"]
-    assert usage["completion_tokens"] == 1000         # the in-flight request was completed, not cut
+    assert usage["completion_tokens"] == 300          # the in-flight request was completed, not cut
     finishes = [json.loads(ln[6:])["choices"][0]["finish_reason"] for ln in lines[:-2]]
     assert finishes[-1] == "length"
     assert "draining in-flight requests" in srv.log()
 
 
 @pytest.mark.slow
-def test_sigterm_shutdown_timeout_bounds_the_drain(server_model_dir: Path, tmp_path: Path) -> None:
-    srv = ServerProcess(server_model_dir, tmp_path / "server.log", "--max-model-len", "1024",
-                        "--kv-cache-memory", str(4 << 20), "--shutdown-timeout", "0.5").wait_ready()
+def test_sigterm_shutdown_timeout_bounds_the_drain(smollm2_dir: Path, server_model_dir: Path, tmp_path: Path) -> None:
+    # 1,000 steps of the real model take far longer than the 0.5 s the drain is given
+    srv = ServerProcess(smollm2_dir, tmp_path / "server.log", *REAL_MODEL_ARGS, "--shutdown-timeout", "0.5").wait_ready()
     try:
         thread, lines, started = _stream_in_background(srv, max_tokens=1000)
         assert started.wait(30)
