@@ -105,4 +105,6 @@ def cpu_ops_extensions(isa) -> tuple[list, dict]:
 
 isa_module = load_isa_module()
 ext_modules, cmdclass = cpu_ops_extensions(isa_module)
-setup(packages=discover_packages(), package_dir=PACKAGE_DIRS, ext_modules=ext_modules, cmdclass=cmdclass)
+# the operator reads its defaults from its copy of the CRD (crds/generate.py writes it)
+setup(packages=discover_packages(), package_dir=PACKAGE_DIRS, package_data={"pagedmodel.operator": ["crd.yaml"]},
+      ext_modules=ext_modules, cmdclass=cmdclass)

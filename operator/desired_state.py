@@ -19,7 +19,7 @@ from typing import Any
 
 from . import names
 from .adapters import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, adapter_volumes, lora_args, lora_enabled
-from .spec import default_block_size, parse_source, with_defaults
+from .spec import ModelSource, default_block_size, parse_source, with_defaults
 
 MODEL_MOUNT = "/models"
 HF_CACHE_MOUNT = "/var/cache/huggingface"
@@ -64,6 +64,23 @@ class Observed:
     external_autoscaler: bool = False
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What a pass derives from the spec once and hands to every child it builds: the defaulted spec, its
+    parsed model source and the engine's effective flags (for the Observed the children are built for)."""
+
+    spec: dict[str, Any]
+    source: ModelSource
+    engine: dict[str, Any]
+
+
+def resolve(pm: dict[str, Any], observed: Observed) -> Resolved:
+    """Resolved for a PagedModel from scratch, for callers outside a pass (a pass builds it from what it
+    already computed)."""
+    spec = with_defaults(pm.get("spec"))
+    return Resolved(spec, parse_source(spec["model"]["source"]), effective_engine(spec, observed))
+
+
 def owner_reference(pm: dict[str, Any]) -> dict[str, Any]:
     meta = pm["metadata"]
     return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": meta["name"], "uid": meta["uid"],
@@ -86,10 +103,11 @@ def effective_engine(spec: dict[str, Any], observed: Observed) -> dict[str, Any]
 
 
 def engine_args(pm: dict[str, Any], spec: dict[str, Any], engine: dict[str, Any],
-                observed: Observed | None = None) -> list[str]:
-    """`pagedmodel serve` flags, in a fixed order so equal specs give equal pod templates."""
+                observed: Observed | None = None, source: ModelSource | None = None) -> list[str]:
+    """`pagedmodel serve` flags, in a fixed order so equal specs give equal pod templates. `source`: the
+    spec's model source, parsed here when the caller has not parsed it already."""
     observed = observed or Observed()
-    source = parse_source(spec["model"]["source"])
+    source = source or parse_source(spec["model"]["source"])
     if source.scheme == "pvc":
         model = f"{MODEL_MOUNT}/{source.path}" if source.path else MODEL_MOUNT
     else:
@@ -195,11 +213,10 @@ def _metadata(pm: dict[str, Any], name: str, component: str) -> dict[str, Any]:
             "labels": names.labels(pm["metadata"]["name"], component), "ownerReferences": [owner_reference(pm)]}
 
 
-def engine_deployment(pm: dict[str, Any], spec: dict[str, Any], observed: Observed) -> dict[str, Any]:
+def engine_deployment(pm: dict[str, Any], resolved: Resolved, observed: Observed) -> dict[str, Any]:
     model = pm["metadata"]["name"]
-    engine = effective_engine(spec, observed)
-    args = engine_args(pm, spec, engine, observed)
-    source = parse_source(spec["model"]["source"])
+    spec, engine, source = resolved.spec, resolved.engine, resolved.source
+    args = engine_args(pm, spec, engine, observed, source)
     http = {"path": "/health", "port": "http"}
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
@@ -388,13 +405,16 @@ def public_service(pm: dict[str, Any], spec: dict[str, Any], observed: Observed)
                                 "protocol": "TCP"}]}}
 
 
-def desired_state(pm: dict[str, Any], observed: Observed | None = None) -> list[dict[str, Any]]:
-    """Every child manifest of a (valid) PagedModel, in apply order: RBAC, engines, router, Services, PDB."""
+def desired_state(pm: dict[str, Any], observed: Observed | None = None,
+                  resolved: Resolved | None = None) -> list[dict[str, Any]]:
+    """Every child manifest of a (valid) PagedModel, in apply order: RBAC, engines, router, Services, PDB.
+    A reconcile pass passes the `resolved` spec it computed; without it the spec is resolved here."""
     observed = observed or Observed()
-    spec = with_defaults(pm.get("spec"))
+    resolved = resolved or resolve(pm, observed)
+    spec = resolved.spec
     return [
         *router_rbac(pm),
-        engine_deployment(pm, spec, observed),
+        engine_deployment(pm, resolved, observed),
         engine_service(pm),
         router_deployment(pm, spec, observed),
         public_service(pm, spec, observed),
@@ -402,8 +422,9 @@ def desired_state(pm: dict[str, Any], observed: Observed | None = None) -> list[
     ]
 
 
-def service_url(pm: dict[str, Any]) -> str:
-    spec = with_defaults(pm.get("spec"))
+def service_url(pm: dict[str, Any], spec: dict[str, Any] | None = None) -> str:
+    """The model's in-cluster endpoint; `spec`: the defaulted spec, when the caller has it."""
+    spec = spec if spec is not None else with_defaults(pm.get("spec"))
     meta = pm["metadata"]
     port = spec["service"]["port"]
     return f"http://{names.public_service_name(meta['name'])}.{meta['namespace']}.svc:{port}/v1"

@@ -96,10 +96,7 @@ def register(registry: kopf.OperatorRegistry, cfg: OperatorConfig, metrics: Oper
         for event in outcome.events:
             kopf.event(body, type=event.type, reason=event.reason, message=event.message)
             logger.info("%s: %s", event.reason, event.message)
-        old = body.get("status") or {}
-        changed = {k: v for k, v in outcome.status.items() if old.get(k) != v}
-        if changed:
-            patch.status.update(changed)
+        # status is not patched here: reconcile wrote it through Kube.patch_status, its one channel
 
     def on_change(body: Any, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
         run_pass(body, patch, logger, scrape=False)     # react fast; the timer scrapes

@@ -106,7 +106,8 @@ class Kube:
         return None
 
     def patch_status(self, namespace: str, name: str, fields: dict[str, Any]) -> None:
-        """Merge `fields` into the PagedModel's status now, ahead of the handler's own status write."""
+        """Merge `fields` into the PagedModel's status now (a merge patch: None deletes a field). The one way
+        the operator writes status: the reconcile pass calls it, kopf's handler patch carries none."""
         path = f"/apis/{names.GROUP}/{names.VERSION}/namespaces/{quote(namespace)}/{names.PLURAL}/{quote(name)}/status"
         self._call("PATCH", path, {"status": fields}, content_type=MERGE_PATCH)
 

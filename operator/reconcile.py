@@ -1,8 +1,13 @@
-"""One reconcile pass of a PagedModel: validate, apply children, read them back, compute status.
+"""One reconcile pass of a PagedModel: validate, apply children, read them back, compute and write status.
 
-It does I/O only through `Kube` (kube_client.py) and returns the status to write and the events to post,
+It does I/O only through `Kube` (kube_client.py) and returns the status it wrote and the events to post,
 so kopf's handlers stay thin and the pass runs in tests against a fake. Never raises for a bad spec:
 that becomes phase Failed with an InvalidSpec event.
+
+A pass computes the defaulted spec, its model source and the engine's effective flags once and passes them
+down (`Resolved`); the engine's flags are computed again only when the tuner changed its overrides in the
+pass. Status has one channel, `Kube.patch_status`: the autoscaler's decision ahead of the resize, then what
+changed at the end of the pass.
 """
 from __future__ import annotations
 
@@ -18,10 +23,10 @@ from .adapters import adapter_claims, desired_adapters, lora_enabled
 from .engine_adapters import AdapterAPI, sync_pods
 from .kube_client import Kube
 from .scrape import EngineSample, Fetch, aggregate, observe, parse_router_metrics, ready_pods, router_totals, scrape
-from .desired_state import Observed, desired_state, effective_engine, engine_replicas, service_url
+from .desired_state import Observed, Resolved, desired_state, effective_engine, engine_replicas, service_url
 from .pass_report import PassReport, pass_report
 from .scaling import ScalingOutcome, ScrapeResult, epoch, plan, scrape_due
-from .spec import parse_source, validate, with_defaults
+from .spec import ModelSource, parse_source, validate, with_defaults
 from .status import compute_status, condition
 
 
@@ -34,7 +39,7 @@ class Event:
 
 @dataclass
 class Outcome:
-    status: dict[str, Any]
+    status: dict[str, Any]                                        # the whole status; its changes are written
     events: list[Event] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)    # to set on the PagedModel (tuner overrides)
     report: PassReport = field(default_factory=PassReport)      # what the operator's metrics count
@@ -69,10 +74,9 @@ def observed_from(pm: dict[str, Any], router_enabled: bool, bind_host: str = "0.
                     router_enabled=router_enabled, bind_host=bind_host)
 
 
-def missing_dependencies(kube: Kube, namespace: str, spec: dict[str, Any]) -> list[str]:
+def missing_dependencies(kube: Kube, namespace: str, spec: dict[str, Any], source: ModelSource) -> list[str]:
     """Objects the spec names that do not exist: the pods could never start, so say which."""
     missing = []
-    source = parse_source(spec["model"]["source"])
     if source.scheme == "pvc" and not kube.exists(namespace, "persistentvolumeclaims", source.name):
         missing.append(f"PersistentVolumeClaim {source.name!r} (spec.model.source) not found")
     for claim in adapter_claims(spec):
@@ -126,10 +130,10 @@ def _scrape_pass(kube: Kube, pm: dict[str, Any], pods: list[dict[str, Any]], obs
     return ScrapeResult(len(ready), scrapes, observation, failed_routers=failed_routers)
 
 
-def _apply(kube: Kube, pm: dict[str, Any], observed: Observed, engine: dict[str, Any], events: list[Event]) -> None:
+def _apply(kube: Kube, pm: dict[str, Any], observed: Observed, resolved: Resolved, events: list[Event]) -> None:
     """Server-side apply the desired state; say what was created or updated (and why the engines roll)."""
     model = pm["metadata"]["name"]
-    applied = [kube.apply(m) for m in desired_state(pm, observed)]
+    applied = [kube.apply(m) for m in desired_state(pm, observed, resolved)]
     created = [f"{a.kind}/{a.name}" for a in applied if a.action == "created"]
     updated = [a for a in applied if a.action == "updated"]
     if created:
@@ -139,7 +143,7 @@ def _apply(kube: Kube, pm: dict[str, Any], observed: Observed, engine: dict[str,
     tuner_said = any(e.reason == "EngineArgsChanged" for e in events)
     for a in updated:
         if a.kind == "Deployment" and a.name == names.engine_name(model) and not tuner_said:
-            change = _engine_change(a.previous, engine)
+            change = _engine_change(a.previous, resolved.engine)
             if change:
                 events.append(Event("Normal", "EngineArgsChanged", f"rolling engines: {change}"))
 
@@ -191,12 +195,29 @@ def _engine_args(pod: dict[str, Any]) -> list[str]:
 def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str | None = None,
               fetch: Fetch | None = None, bind_host: str = "0.0.0.0", memory: Memory | None = None,
               clock: float | None = None, adapters: AdapterAPI | None = None) -> Outcome:
-    """One pass. With `fetch` (URL -> text) the ready engines are scraped when spec.autoscaling.intervalSeconds
-    has passed since the last scrape, and the autoscaler and tuner decide on the fresh observation. With
-    `adapters` (the engines' adapter API) spec.adapters is loaded into every ready engine."""
+    """One pass, its status changes written. With `fetch` (URL -> text) the ready engines are scraped when
+    spec.autoscaling.intervalSeconds has passed since the last scrape, and the autoscaler and tuner decide on
+    the fresh observation. With `adapters` (the engines' adapter API) spec.adapters is loaded into every ready
+    engine."""
     clock = clock if clock is not None else (epoch(now) if now else time.time())
-    now = now or now_iso()
-    memory = memory if memory is not None else Memory()
+    outcome = _pass(kube, pm, router_enabled=router_enabled, now=now or now_iso(), fetch=fetch,
+                    bind_host=bind_host, memory=memory if memory is not None else Memory(), clock=clock,
+                    adapters=adapters)
+    _write_status(kube, pm, outcome.status)
+    return outcome
+
+
+def _write_status(kube: Kube, pm: dict[str, Any], status: dict[str, Any]) -> None:
+    """The fields that differ from the status the pass started from, as one merge patch (None deletes)."""
+    old = pm.get("status") or {}
+    changed = {k: v for k, v in status.items() if old.get(k) != v}
+    if changed:
+        kube.patch_status(pm["metadata"]["namespace"], pm["metadata"]["name"], changed)
+
+
+def _pass(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str, fetch: Fetch | None, bind_host: str,
+          memory: Memory, clock: float, adapters: AdapterAPI | None) -> Outcome:
+    """The pass itself; reconcile() writes the status it returns."""
     meta = pm["metadata"]
     model, namespace = meta["name"], meta["namespace"]
     old_status = pm.get("status") or {}
@@ -207,7 +228,8 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
         return _invalid(pm, errors, selector, now)
 
     observed = observed_from(pm, router_enabled, bind_host)
-    blocked = missing_dependencies(kube, namespace, spec)
+    source = parse_source(spec["model"]["source"])      # validate() accepted it
+    blocked = missing_dependencies(kube, namespace, spec, source)
     engine_path = kube.path("Deployment", namespace, names.engine_name(model))
     before = kube.get(engine_path)
     pods = kube.pods(namespace, selector)
@@ -221,10 +243,11 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
                     if spec["autoscaling"]["enabled"] or result is not None else None)
     observed = replace(observed, external_autoscaler=external_hpa is not None)
     current = engine_replicas(spec, observed)
-    scaling = plan(spec, old_status, result, current=current, engine=effective_engine(spec, observed),
+    engine = effective_engine(spec, observed)
+    scaling = plan(spec, old_status, result, current=current, engine=engine,
                    tuned=observed.tuned, now=clock, generation=int(meta.get("generation") or 0),
                    rolling_out=_rolling_out(before), external_hpa=external_hpa)
-    annotations = {}
+    annotations, old_tuned = {}, observed.tuned
     if scaling.tuned != observed.tuned:
         annotations[names.ANNOTATION_TUNED] = json.dumps(scaling.tuned, sort_keys=True)
     observed = replace(observed, tuned=scaling.tuned, engine_replicas=(
@@ -233,10 +256,11 @@ def reconcile(kube: Kube, pm: dict[str, Any], *, router_enabled: bool, now: str 
     if scaling.desired_replicas is not None and scaling.desired_replicas != current:
         _record_scale(kube, meta, scaling)
 
-    engine = effective_engine(spec, observed)
-    _apply(kube, pm, observed, engine, events)
+    if scaling.tuned != old_tuned:
+        engine = effective_engine(spec, observed)      # the tuner's new overrides are new input
+    _apply(kube, pm, observed, Resolved(spec, source, engine), events)
     status = compute_status(pm, desired_replicas=engine_replicas(spec, observed), selector=selector,
-                            url=service_url(pm), engine={k: v for k, v in sorted(engine.items())},
+                            url=service_url(pm, spec), engine={k: v for k, v in sorted(engine.items())},
                             deployment=kube.get(engine_path), pods=pods, blocked=blocked, now=now)
     _carry_status(status, old_status, scaling, result, now)
     _sync_adapters(spec, pm, pods, adapters, status, events, now)

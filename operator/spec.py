@@ -3,8 +3,8 @@
 The CRD schema rejects most bad input at apply time; this module re-checks what a schema cannot
 (CEL rules on clusters that do not evaluate them, flags in extraArgs that would fight the
 generated ones, malformed model sources), so a bad spec becomes phase Failed with an
-InvalidSpec event instead of an exception in a handler. Defaults mirror the CRD's
-(tests/operator/test_spec.py checks that they agree).
+InvalidSpec event instead of an exception in a handler. The defaults are the CRD's own, read from it
+(crd_schema.py).
 """
 from __future__ import annotations
 
@@ -14,24 +14,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .adapters import LORA_FLAGS, adapter_errors
+from .crd_schema import load_crd, spec_defaults
 from .validation import is_int, is_num
 
-DEFAULTS: dict[str, Any] = {
-    "image": "ghcr.io/pagedmodel/pagedmodel:0.1.0",
-    "imagePullPolicy": "IfNotPresent",
-    "engine": {"maxNumSeqs": 256, "gpuMemoryUtilization": 0.9, "swapSpaceGiB": 4,
-               "enablePrefixCaching": True, "tensorParallelSize": 1, "dtype": "auto", "device": "auto"},
-    "resources": {"gpus": 1, "gpuResourceName": "nvidia.com/gpu"},
-    "replicas": 1,
-    "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetKVCacheUsage": 0.8,
-                    "targetWaitingPerReplica": 5, "intervalSeconds": 15, "scaleUpStabilizationSeconds": 0,
-                    "scaleDownStabilizationSeconds": 300},
-    "tuning": {"mode": "Off", "cooldownSeconds": 1800},
-    "router": {"replicas": 1, "strategy": "kv-aware", "maxQueueLength": 256, "queueTimeoutSeconds": 30},
-    "service": {"type": "ClusterIP", "port": 80},
-    "probes": {"startupTimeoutSeconds": 900},
-    "scheduling": {},
-}
+# What the API server fills in, read from the CRD (operator/crd.yaml, a copy of crds/pagedmodel.yaml) so the
+# two cannot disagree; with_defaults() applies it to specs that did not pass through an API server (tests,
+# a cluster that prunes nothing).
+DEFAULTS: dict[str, Any] = spec_defaults(load_crd())
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 CPU_BLOCK_SIZE, GPU_BLOCK_SIZE = 128, 16   # the engine's --block-size defaults (server/engine/device.py)

@@ -2,6 +2,7 @@
 modules: the card's top-level `operator/` folder must not shadow the standard library's `operator`."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import venv
@@ -12,11 +13,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_import_operator_from_the_repo_root_is_the_standard_library():
     """-S: no .pth file imports collections (and so the real operator) before the repo root is searched."""
-    run = subprocess.run([sys.executable, "-S", "-c", "import operator; print(operator.__file__); print(operator.eq(1, 1))"],
-                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    code = "import operator; print(operator.__file__); print(operator.__spec__.origin); print(operator.eq(1, 1))"
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr[-2000:]
-    path, equal = run.stdout.split()
-    assert not path.startswith(str(REPO)) and Path(path).name == "operator.py" and equal == "True"
+    path, origin, equal = run.stdout.split()
+    stdlib = Path(os.__file__).parent / "operator.py"     # the standard library's folder, as `os` is found
+    assert Path(path) == Path(origin) == stdlib and equal == "True"
 
 
 def test_a_fresh_venv_runs_pip_from_the_repo_root(tmp_path):

@@ -65,6 +65,7 @@ def test_the_wheel_holds_every_module_and_the_compiled_ops(wheel):
                              check=True).stdout.split()
     expected = {LAYOUT[path.split("/", 1)[0]] + "/" + path.split("/", 1)[1] for path in tracked if path.endswith(".py")}
     assert len(expected) > 100 and sorted(expected - names) == []
+    assert "pagedmodel/operator/crd.yaml" in names         # package data: the operator's defaults come from it
     for level in cpu_isa.LEVELS:
         assert any(n.startswith(f"pagedmodel/kernels/{level.extension}.") and n.endswith(".so") for n in names), level
     manifest = json.loads(zipfile.ZipFile(built).read("pagedmodel/kernels/cpu_ops_build.json"))

@@ -1,7 +1,11 @@
 """The CRD's shape: names, subresources, printer columns, and a description on every field (kubectl explain)."""
 from __future__ import annotations
 
+import runpy
+from pathlib import Path
 from typing import Any, Iterator
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fields(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -53,3 +57,12 @@ def test_ranges_and_enums_where_the_issue_asks(crd_schema):
     rules = [r["rule"] for r in spec["autoscaling"]["x-kubernetes-validations"]]
     assert any("minReplicas <= self.maxReplicas" in r for r in rules)
     assert spec["tuning"]["properties"]["maxNumSeqs"]["x-kubernetes-validations"][0]["rule"] == "self.min <= self.max"
+
+
+def test_every_copy_of_the_crd_is_the_hand_written_one():
+    """crds/pagedmodel.yaml is the one CRD written by hand; the chart's and the operator package's copies are
+    made by crds/generate.py and must be byte for byte the same."""
+    generator = runpy.run_path(str(REPO / "crds" / "generate.py"))
+    assert [p.relative_to(REPO).as_posix() for p in generator["COPIES"]] == [
+        "charts/pagedmodel/crds/pagedmodel.yaml", "operator/crd.yaml"]
+    assert generator["stale_copies"]() == [], "run: python3 crds/generate.py"

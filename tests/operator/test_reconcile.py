@@ -144,3 +144,41 @@ def test_the_engine_container_reports_its_log_tail_when_it_fails():
     dep = next(o for p, o in kube.store.items() if p.endswith("/deployments/smollm2-engine"))
     [container] = dep["spec"]["template"]["spec"]["containers"]
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+def test_a_pass_derives_the_spec_once_and_passes_it_down(monkeypatch):
+    """Guards issue #48: a pass defaulted the spec 3 times, computed the engine's flags 3 times and parsed the
+    model source 4 times. Now: defaults and engine flags once (the tuner leaves the overrides alone here),
+    the source once to validate it and once for the children."""
+    from pagedmodel.operator import desired_state as desired_module, reconcile as reconcile_module, spec as spec_module
+
+    calls: dict[str, int] = {}
+
+    def counted(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    originals = {"with_defaults": spec_module.with_defaults, "parse_source": spec_module.parse_source,
+                 "effective_engine": desired_module.effective_engine}
+    for module in (spec_module, desired_module, reconcile_module):      # every name a caller looks up
+        for name, original in originals.items():
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, counted(name, original))
+    reconcile(FakeKube(), make_pm(CPU), router_enabled=False, now="2026-01-01T00:00:00Z")
+    assert calls == {"with_defaults": 1, "effective_engine": 1, "parse_source": 2}
+
+
+def test_status_is_written_once_a_pass_through_patch_status_and_only_what_changed():
+    kube = FakeKube()
+    first = reconcile(kube, make_pm(CPU), router_enabled=False, now="2026-01-01T00:00:00Z")
+    assert kube.status_patches == [first.status]
+    kube.status_patches.clear()
+    second = reconcile(kube, make_pm(CPU, status=first.status), router_enabled=False, now="2026-01-01T00:01:00Z")
+    assert second.status == first.status and kube.status_patches == []
+    bigger = {**CPU, "engine": {**CPU["engine"], "maxNumSeqs": 8}}
+    third = reconcile(kube, make_pm(bigger, generation=2, status=first.status), router_enabled=False)
+    [patch] = kube.status_patches
+    assert patch and patch == {k: v for k, v in third.status.items() if first.status.get(k) != v}
+    assert patch["engine"]["maxNumSeqs"] == 8
