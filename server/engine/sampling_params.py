@@ -2,23 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .structured_outputs_params import StructuredOutputsParams
+from .params_error import SamplingParamsError
+from .structured_outputs_params import StructuredOutputsParams
 
 MAX_N = 16          # samples (or beams) per request; more is a 400, not an OOM
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20   # the server's default --max-logprobs; the flag may raise it up to the vocabulary
-
-
-class SamplingParamsError(ValueError):
-    """A parameter is invalid; ``param`` names it (OpenAI's error ``param`` field)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -156,8 +147,6 @@ class SamplingParams:
                                       "thinking_token_budget")
 
     def _validate_structured_outputs(self) -> None:
-        from .structured_outputs_params import StructuredOutputsParams   # it imports this module's error
-
         so = self.structured_outputs
         if so is None:
             return
