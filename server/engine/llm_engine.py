@@ -32,7 +32,8 @@ from .outputs import RequestMetrics, RequestOutput
 from .reasoning_config import ReasoningConfig
 from .sampler import Sampler
 from .sampling_params import SamplingParams, SamplingParamsError
-from .scheduler import Scheduler, StepUpdate
+from .scheduler import Scheduler
+from .step_types import StepUpdate
 from .sequence import SequenceGroup, SequenceStatus
 from .stats import EngineStats
 from .stop_checker import StopChecker

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .beam_group import BeamDecision
 from .outputs import CompletionOutput, RequestOutput
-from .scheduler import StepUpdate
+from .step_types import BeamDecision, StepUpdate
 from .sequence import SequenceGroup
 
 
