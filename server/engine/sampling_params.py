@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .outputs import RequestOutputKind
 from .params_error import SamplingParamsError
 from .structured_outputs_params import StructuredOutputsParams
 
@@ -43,6 +44,7 @@ class SamplingParams:
     # vLLM's: at most this many tokens per thinking section, then the end marker is forced (thinking_budget.py);
     # -1 means unlimited, as None does
     thinking_token_budget: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what each output holds (outputs.py)
     watermarking: bool | None = None   # vLLM's: False opts out of the engine's --watermark-config (None: on)
 
     def __post_init__(self) -> None:
@@ -121,6 +123,8 @@ class SamplingParams:
                 fail(f"{name} must be a non-empty list of token ids", name)
         if self.logprob_token_ids is not None and self.use_beam_search:
             fail("logprob_token_ids is not supported with beam search", "logprob_token_ids")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}", "output_kind")
         if self.watermarking not in (None, True, False):
             fail(f"watermarking must be true, false or null, got {self.watermarking!r}", "watermarking")
         if self.early_stopping not in (True, False, "never"):
