@@ -48,6 +48,7 @@ from torch import nn
 
 from . import cpu_features, cpu_isa, cpu_ops, huge_pages
 from .cpu_linear_plan import LinearPlan, choose_plans, default_plan
+from .cpu_weight_layouts import pack_amx_tiles, pack_panels
 
 log = logging.getLogger("pagedmodel.kernels.cpu_linear")
 
@@ -56,9 +57,7 @@ LINEAR_ENV_VALUES = ("packed", "measure", "bf16", "float32", "off")
 # below this many rows F.linear's unpacked GEMM is as fast or faster (measured at M = 1)
 MIN_ROWS = {torch.float32: 8, torch.bfloat16: 1}
 AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})   # what cpu_bf16_linear.cpp vectorizes with
-PANEL = 32                          # output columns per panel (cpu_bf16_linear.cpp)
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})   # what cpu_amx_linear.cpp runs on
-AMX_TILE_COLS, AMX_TILE_DEPTH = 16, 32   # a weight tile's output and input columns (cpu_amx_linear.cpp)
 HUGE_PAGE_BATCH = 64 << 20          # bytes of packed copies moved at a time: the extra memory while they move
 
 
@@ -103,29 +102,6 @@ def amx_tiles_op(flags: frozenset[str] | None = None) -> Callable[..., torch.Ten
     if not AMX_FLAGS <= (cpu_ops.level_flags() if flags is None else flags):
         return None
     return cpu_ops.amx_linear()
-
-
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([N, K] bf16) in ``cpu_bf16_linear.cpp``'s layout: [panels, K/2, 64] int16, zero-padded to
-    whole 32-column panels and an even K; in a panel, per input pair (k, k+1), two blocks of 16 columns
-    of (W[n][k], W[n][k+1]) pairs."""
-    n, k = weight.shape
-    rows, cols = -(-n // PANEL) * PANEL, k + k % 2
-    padded = weight.new_zeros(rows, cols, dtype=torch.bfloat16)
-    padded[:n, :k] = weight
-    blocks = padded.view(torch.int16).view(rows // PANEL, 2, PANEL // 2, cols // 2, 2)
-    return blocks.permute(0, 3, 1, 2, 4).contiguous().view(rows // PANEL, cols // 2, 2 * PANEL)
-
-
-def pack_amx_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([N, K] bf16) in ``cpu_amx_linear.cpp``'s layout: [N/16, K/32, 512] int16, zero-padded to whole
-    tiles; tile (n, d) holds, for each input pair (k, k+1) of its 32 columns, the 16 columns' (W[n][k], W[n][k+1])."""
-    n, k = weight.shape
-    rows, cols = -(-n // AMX_TILE_COLS) * AMX_TILE_COLS, -(-k // AMX_TILE_DEPTH) * AMX_TILE_DEPTH
-    padded = weight.new_zeros(rows, cols, dtype=torch.bfloat16)
-    padded[:n, :k] = weight
-    tiles = padded.view(torch.int16).view(rows // AMX_TILE_COLS, AMX_TILE_COLS, cols // AMX_TILE_DEPTH, AMX_TILE_DEPTH // 2, 2)
-    return tiles.permute(0, 2, 3, 1, 4).contiguous().view(rows // AMX_TILE_COLS, cols // AMX_TILE_DEPTH, -1)
 
 
 def applies(weight: torch.Tensor, native_bf16: bool | None = None) -> bool:

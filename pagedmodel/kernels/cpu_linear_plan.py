@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from .cpu_weight_layouts import pack_amx_tiles, pack_panels
+
 log = logging.getLogger("pagedmodel.kernels.cpu_linear")
 
 FLOAT32_GEMM_MIN_ROWS = 32          # float32 copies, where they pay, serve steps of at least this many rows
@@ -136,8 +138,6 @@ def measure(out_features: int, in_features: int, panel_op: Callable | None,
             rows_list: tuple[int, ...] = MEASURED_ROWS, float32: bool = True, amx_op: Callable | None = None) -> Timings:
     """Seconds a call of each candidate GEMM takes here on a random bf16 [out_features, in_features] weight
     (``float32``: the float32 copy too)."""
-    from .cpu_linear import pack_amx_tiles, pack_panels   # the layouts live with the layer that uses them
-
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     reorder, linear = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagedmodel.server.engine.outputs import RequestOutput
+from pagedmodel.server.engine.outputs import RequestOutput, RequestProgress
 from pagedmodel.server.engine.sampling_params import SamplingParams
 
 from .allocator import HeapTrimmer
@@ -46,6 +46,7 @@ class EngineLike(Protocol):
                     cache_salt: str | None = None) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def step(self) -> list[RequestOutput]: ...
+    step_progress: list[RequestProgress]   # the last step's news per request, whatever its output kind
     def has_unfinished_requests(self) -> bool: ...
     def stats(self) -> Any: ...
 
@@ -53,7 +54,7 @@ class EngineLike(Protocol):
 class StepObserver(Protocol):
     """Called on the loop thread; metrics use it. Must be cheap and must not raise."""
 
-    def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None: ...
+    def on_step(self, progress: list[RequestProgress], stats: Any, now: float) -> None: ...
     def on_abort(self, request_id: str) -> None: ...
 
 
@@ -79,8 +80,8 @@ class SubRequest:
 class RequestGroup:
     """The engine requests of one HTTP request, and the asyncio queue their outputs arrive on.
 
-    Items are (prompt_index, RequestOutput) or (None, exception). Outputs are cumulative, so a slow
-    consumer may skip intermediate ones: it only needs the latest per choice.
+    Items are (prompt_index, RequestOutput) or (None, exception), in step order: a stream's outputs are
+    deltas (each one's news), any other request's one output is whole.
     """
 
     def __init__(self, subs: list[SubRequest], loop: asyncio.AbstractEventLoop):
@@ -116,7 +117,7 @@ class RequestGroup:
         return not self.unfinished
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yield (prompt_index, cumulative output) until every sub-request has finished."""
+        """Yield (prompt_index, output) until every sub-request has finished."""
         while self.unfinished:
             idx, item = await self.queue.get()
             if idx is None:
@@ -343,7 +344,7 @@ class AsyncEngine:
                 self._refresh_stats()
                 if self.observer is not None:
                     try:
-                        self.observer.on_step(outputs, self.last_stats, now)
+                        self.observer.on_step(self.engine.step_progress, self.last_stats, now)
                     except Exception:
                         logger.exception("metrics observer failed")
                 # One wake-up of the event loop per step, not one per request (each is a self-pipe write).

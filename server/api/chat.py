@@ -25,7 +25,7 @@ from .protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompleti
 from .reasoning import ReasoningPlan, plan_reasoning
 from .serving import OpenAIServing
 from .structured_outputs import ensure_compiled
-from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk, usage_options
+from .streaming import ChoiceTotals, guarded_stream, sse, stream_headers, usage_chunk, usage_options
 from .tool_calling import ToolPlan, finish_reason, plan_tools, response_tool_calls
 from .tool_parsers.base import ExtractedToolCalls
 
@@ -192,18 +192,18 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
         echo = echoed_content(req)
         for j in range(params.n if echo else 0):
             yield chunk(ChatCompletionStreamChoice(index=j, delta=DeltaMessage(content=echo)))
-        tracker = DeltaTracker(params.n)
+        totals = ChoiceTotals(params.n)
         streams = [ChoiceStream(plan, thinking) for _ in range(params.n)]
         completion_tokens, cached_tokens = 0, 0
         finishes: set[str] = set()
         async for _, out in group.outputs():
             for o in out.outputs:
-                text, new_ids, new_lp, _ = tracker.advance(o.index, o)
-                lp = chat_logprobs(serving, new_ids, new_lp, top_n, as_ids) \
+                totals.add(o.index, o)   # a delta: new text, tokens and logprobs; its finish comes once
+                new_ids, finished = o.token_ids, o.finished
+                lp = chat_logprobs(serving, new_ids, o.logprobs or [], top_n, as_ids) \
                     if req.logprobs and new_ids and not hide else None
                 stream = streams[o.index]
-                finished = tracker.newly_finished(o.index, o)
-                delta = stream.step(text, finished)   # on the last output, also what the parsers held back
+                delta = stream.step(o.text, finished)   # on the last output, also what the parsers held back
                 if hide:
                     delta.reasoning = None
                 token_ids = list(new_ids) if req.return_token_ids and new_ids and not hide else None
@@ -212,12 +212,12 @@ def stream_chat(serving: OpenAIServing, request: Request, req: ChatCompletionReq
                 ending = {"finish_reason": reason, "stop_reason": o.stop_reason} if finished else {}
                 if delta.content or delta.tool_calls or delta.reasoning or lp is not None or token_ids:
                     yield chunk(ChatCompletionStreamChoice(index=o.index, delta=delta, logprobs=lp,
-                                                           token_ids=token_ids, **ending), len(o.token_ids))
+                                                           token_ids=token_ids, **ending), totals.tokens[o.index])
                 elif finished:
                     yield chunk(ChatCompletionStreamChoice(index=o.index, delta=DeltaMessage(), **ending),
-                                len(o.token_ids))
+                                totals.tokens[o.index])
                 if finished:
-                    completion_tokens += len(o.token_ids)
+                    completion_tokens += totals.tokens[o.index]
                     finishes.add(reason or "-")
             if out.finished:
                 cached_tokens = out.num_cached_tokens

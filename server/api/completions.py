@@ -19,7 +19,7 @@ from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, 
                        CompletionStreamResponse, random_id)
 from .serving import OpenAIServing
 from .structured_outputs import ensure_compiled
-from .streaming import DeltaTracker, guarded_stream, sse, stream_headers, usage_chunk, usage_options
+from .streaming import ChoiceTotals, guarded_stream, sse, stream_headers, usage_chunk, usage_options
 
 
 @dataclass
@@ -154,7 +154,7 @@ def stream_completion(serving: OpenAIServing, request: Request, req: CompletionR
     chunks = _CompletionChunks(serving, req, request_id, created, tokenized, n)
 
     async def body() -> AsyncIterator[str]:
-        tracker = DeltaTracker(len(tokenized) * n)
+        totals = ChoiceTotals(len(tokenized) * n)
         echo_text = [(text if text is not None else serving.decode(ids)) if req.echo else ""
                      for ids, text in tokenized]
         completion_tokens, cached_tokens = 0, 0
@@ -173,15 +173,14 @@ def stream_completion(serving: OpenAIServing, request: Request, req: CompletionR
                     yield chunks.chunk(p_idx * n + j, echo_text[p_idx], plp)
             for o in out.outputs:
                 idx = p_idx * n + o.index
-                delta, new_ids, new_lp, offset = tracker.advance(idx, o)
-                finished = tracker.newly_finished(idx, o)
+                offset, finished = totals.add(idx, o), o.finished   # a delta; its finish comes once
                 # a chunk of new tokens with no text yet (a stop string may follow) only when they are asked for
-                if delta or finished or (new_ids and (req.logprobs is not None or req.return_token_ids)):
-                    lp = chunks.logprobs(new_ids, new_lp, top_n, len(echo_text[p_idx]) + offset)
-                    yield chunks.chunk(idx, delta, lp, o.finish_reason if finished else None,
-                                       o.stop_reason if finished else None, new_ids, len(o.token_ids))
+                if o.text or finished or (o.token_ids and (req.logprobs is not None or req.return_token_ids)):
+                    lp = chunks.logprobs(o.token_ids, o.logprobs or [], top_n, len(echo_text[p_idx]) + offset)
+                    yield chunks.chunk(idx, o.text, lp, o.finish_reason if finished else None,
+                                       o.stop_reason if finished else None, o.token_ids, totals.tokens[idx])
                 if finished:
-                    completion_tokens += len(o.token_ids)
+                    completion_tokens += totals.tokens[idx]
                     finishes.add(o.finish_reason or "-")
             if out.finished:
                 cached_tokens += out.num_cached_tokens

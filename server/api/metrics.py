@@ -5,8 +5,10 @@ scraper, the operator and the chart); this module only decides where each value 
 
 Scheduler gauges and the engine's cumulative token/cache/preemption counters are read from the last
 `engine.stats()` snapshot at scrape time (a custom collector: the engine keeps the authoritative
-totals, we never double count). Per-request latencies are observed on the engine loop thread as
-outputs arrive: TTFT and queue time from RequestOutput.metrics, inter-token latency from the time
+totals, we never double count). Per-request latencies are observed on the engine loop thread from each
+step's progress records (engine.step_progress: every request with news, whether or not an output was due,
+so a non-streamed request's tokens count as they come): TTFT and queue time from their RequestMetrics,
+inter-token latency from the time
 between steps that gave a request new tokens, end-to-end latency, prefill and decode time and the finish
 reason on completion. Tokens per step are the difference of the engine's cumulative token counters
 between two steps (the engine counts; nothing is counted twice). A request's `n` and `max_tokens` are
@@ -25,7 +27,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pagedmodel import metrics_contract as mc
-from pagedmodel.server.engine.outputs import RequestOutput
+from pagedmodel.server.engine.outputs import RequestProgress
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -180,12 +182,12 @@ class ServerMetrics:
         if sched is not None and last is not None:
             self.inference_time.labels(m).observe(max(0.0, last - sched))
 
-    def on_step(self, outputs: list[RequestOutput], stats: Any, now: float) -> None:
+    def on_step(self, progress: list[RequestProgress], stats: Any, now: float) -> None:
         m = self.model_name
         with self._lock:
             self._observe_iteration(stats)
-            for out in outputs:
-                got_tokens = any(out.new_token_counts) if out.new_token_counts else any(o.token_ids for o in out.outputs)
+            for out in progress:
+                got_tokens = out.new_tokens > 0
                 prev = self._last_token_time.get(out.request_id)
                 if got_tokens:
                     if prev is None:
@@ -201,11 +203,11 @@ class ServerMetrics:
                     q = out.metrics.queue_time
                     if q is not None:
                         self.queue_time.labels(m).observe(max(0.0, q))
-                    self.prompt_tokens.labels(m).observe(len(out.prompt_token_ids or ()))
-                    self.generation_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
-                    self._observe_phases(out.metrics, max((len(o.token_ids) for o in out.outputs), default=0))
+                    self.prompt_tokens.labels(m).observe(out.num_prompt_tokens)
+                    self.generation_tokens.labels(m).observe(sum(out.output_lengths))
+                    self._observe_phases(out.metrics, max(out.output_lengths, default=0))
                     # One count per request, as vLLM does; n samples of one request share its reason.
-                    reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
+                    reason = out.finish_reason or "stop"
                     self.request_success.labels(m, reason).inc()
 
     def on_abort(self, request_id: str) -> None:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, SerializerFunctionWrapHandler,
                       Strict, StrictFloat, StrictInt, StrictStr, model_serializer)
 
+from pagedmodel.server.engine.outputs import RequestOutputKind
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .structured_outputs import StructuredOutputsFields
 
@@ -133,6 +134,8 @@ class _SamplingRequest(StructuredOutputsFields):
             allowed_token_ids=self.allowed_token_ids, logprob_token_ids=self.logprob_token_ids or None,
             thinking_token_budget=self.thinking_token_budget,
             watermarking=self.watermarking,
+            # a stream is sent piece by piece as it comes; any other answer is whole, once, at the end
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
         return SamplingParams(**kwargs)
 

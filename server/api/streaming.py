@@ -71,28 +71,18 @@ def usage_options(stream_options: Any, force: bool = False) -> tuple[bool, bool]
     return include, include and bool(stream_options.continuous_usage_stats)
 
 
-class DeltaTracker:
-    """What each choice has already been sent, so cumulative engine outputs become stream deltas."""
+class ChoiceTotals:
+    """What a stream has sent of each choice so far. The engine hands a stream deltas (output kind DELTA):
+    each output holds a choice's new text, tokens and logprobs, and its finish once; these running totals give
+    a piece's text offset (completions' logprobs) and the tokens a choice has had (usage)."""
 
     def __init__(self, n_choices: int):
         self.text = [0] * n_choices
         self.tokens = [0] * n_choices
-        self.done: set[int] = set()
 
-    def newly_finished(self, choice: int, o: CompletionOutput) -> bool:
-        """True once per choice: later cumulative outputs of the group repeat finished samples."""
-        if not o.finished or choice in self.done:
-            return False
-        self.done.add(choice)
-        return True
-
-    def advance(self, choice: int, o: CompletionOutput) -> tuple[str, list[int], list[dict[int, float]], int]:
-        """The new text, token ids and logprobs since the last call, and the text offset they start at."""
-        t0, k0 = self.text[choice], self.tokens[choice]
-        delta = o.text[t0:]
-        new_ids = o.token_ids[k0:]
-        new_lp = (o.logprobs or [])[k0:]
-        # The engine holds back text that may become a stop string, so text only grows; max() guards anyway.
-        self.text[choice] = max(t0, len(o.text))
-        self.tokens[choice] = len(o.token_ids)
-        return delta, new_ids, new_lp, t0
+    def add(self, choice: int, o: CompletionOutput) -> int:
+        """Count ``o`` (a delta) into ``choice``'s totals; returns the text offset it starts at."""
+        offset = self.text[choice]
+        self.text[choice] += len(o.text)
+        self.tokens[choice] += len(o.token_ids)
+        return offset

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .config_error import ConfigError
+from .reasoning_config import ReasoningConfig
 from .watermark_config import WatermarkConfig, WatermarkConfigError, parse_watermark_config
 
-if TYPE_CHECKING:
-    from .reasoning_config import ReasoningConfig
 
 SUPPORTED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 # --block-size when not given, per device type (vLLM's defaults; device.pick_block_size). On CPU a decode
@@ -27,10 +27,6 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 def canonical_dtype(name: str) -> str:
     return DTYPE_ALIASES.get(name, name)
-
-
-class ConfigError(ValueError):
-    """A flag value that cannot work; the CLI prints it and exits 2."""
 
 
 @dataclass
@@ -62,12 +58,11 @@ class EngineArgs:
     skip_tokenizer_init: bool = False           # no tokenizer: token ids in, token ids out (vLLM's flag)
     # vLLM's --reasoning-config (JSON text, a dict, or a ReasoningConfig): the thinking markers that
     # thinking_token_budget counts between and forces (reasoning_config.py)
-    reasoning_config: "ReasoningConfig | str | dict[str, Any] | None" = None
+    reasoning_config: ReasoningConfig | str | dict[str, Any] | None = None
     watermark_config: str | dict[str, Any] | WatermarkConfig | None = None   # vLLM's JSON; watermark_config.py
 
     def __post_init__(self) -> None:
         if self.reasoning_config is not None:
-            from .reasoning_config import ReasoningConfig   # it imports ConfigError from here
             self.reasoning_config = ReasoningConfig.parse(self.reasoning_config)
         self.validate()
 

@@ -8,23 +8,11 @@ its KV blocks, copy-on-write), a parent chosen by none is freed, the survivors t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .beam_search import BeamHypothesis, BeamSearch
+from .beam_search import BeamSearch
 from .sequence import Sequence, SequenceGroup
-
-
-@dataclass
-class BeamDecision:
-    """One beam step of one request. ``next_beams``: (parent, token, cumulative logprob) in the new beams'
-    order, a parent listed more than once is forked; ``hypotheses`` is set (and ``next_beams`` empty) when
-    the search is done."""
-
-    next_beams: list[tuple[Sequence, int, float]]
-    hypotheses: list[BeamHypothesis] | None = None
-    eos_token_ids: frozenset[int] = frozenset()
+from .step_types import BeamDecision
 
 
 class BeamGroup:

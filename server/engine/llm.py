@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from collections.abc import Mapping, Sequence
 from typing import Union
 
 from .args import EngineArgs
 from .lora.lora_request import LoRARequest
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
+from .outputs import RequestOutput, RequestOutputKind
 from .sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], Mapping[str, object]]
@@ -38,6 +39,8 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        # each request's one output, whole, at its end (as vLLM's LLM does; the caller's params stay as given)
+        params_list = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         loras = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError("give one LoRARequest, or one per prompt")

@@ -28,11 +28,12 @@ from .lora.registry import LoRARegistry
 from .model_config import ModelConfig
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
-from .outputs import RequestMetrics, RequestOutput
+from .outputs import RequestMetrics, RequestOutput, RequestProgress
 from .reasoning_config import ReasoningConfig
 from .sampler import Sampler
 from .sampling_params import SamplingParams, SamplingParamsError
-from .scheduler import Scheduler, StepUpdate
+from .scheduler import Scheduler
+from .step_types import StepUpdate
 from .sequence import SequenceGroup, SequenceStatus
 from .stats import EngineStats
 from .stop_checker import StopChecker
@@ -86,6 +87,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._compiling: dict[str, tuple[SequenceGroup, Future]] = {}   # admitted once their grammar is built
         self.requests: dict[str, SequenceGroup] = {}
+        self.step_progress: list[RequestProgress] = []   # the last step's, rewritten by each step()
         self._seed_rng = random.Random(args.seed)
         log.info("engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.1f MiB), max_model_len %d",
                  self.model_name, self.device, worker.dtype, worker.num_blocks, args.block_size,
@@ -197,7 +199,9 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the model, sample, apply, and report what changed."""
+        """One iteration: schedule, run the model, sample, apply, and report what changed: the outputs due,
+        and in ``step_progress`` every request's news (what metrics count, whatever its output kind)."""
+        self.step_progress = []
         try:
             return self._step()
         finally:
@@ -214,7 +218,7 @@ class LLMEngine:
         model_output = self.runner.execute(sched)
         samples = self.sampler.sample(model_output)
         update = self.scheduler.update_from_output(sched, samples)
-        outputs = self.output_processor.process(update, time.time())
+        outputs = self._shape(update)
         for group in update.touched.values():
             if group.is_finished:
                 self.requests.pop(group.request_id, None)
@@ -238,7 +242,12 @@ class LLMEngine:
                 failed.touched[request_id] = group
                 continue
             self.scheduler.add(group)
-        return self.output_processor.process(failed, time.time()) if failed.touched else []
+        return self._shape(failed) if failed.touched else []
+
+    def _shape(self, update: StepUpdate) -> list[RequestOutput]:
+        outputs, progress = self.output_processor.process(update, time.time())
+        self.step_progress += progress
+        return outputs
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -9,7 +9,6 @@ backend, no ``--enforce-eager``; see ``cuda_graph_runner.py``); every other step
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
@@ -21,18 +20,9 @@ from .compiled_forward import CompiledForward
 from .cuda_graph_runner import CUDAGraphRunner, GraphBackend, capture_sizes, select_graph_backend
 from .kv_cache import KVCache
 from .lora.layers import LoRABatch, LoRAState
-from .scheduler import ScheduledSequence, SchedulerOutput
+from .step_types import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: list[ScheduledSequence]   # the sequences whose next token is drawn: row i of logits is sampled[i]'s
-    logits: torch.Tensor               # [len(sampled), vocab], float32 or the head's dtype (the sampler widens)
-    # seq_id -> (its scheduled entry, log-softmax rows from its first position): prompts that asked for
-    # prompt logprobs; row j scores prompt token start + 1 + j
-    prompt_logprobs: dict[int, tuple[ScheduledSequence, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:

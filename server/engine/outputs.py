@@ -1,7 +1,18 @@
-"""What the engine hands back per request and step: cumulative text and tokens, finish state, timings."""
+"""What the engine hands back per request and step: text and tokens (whole, new, or once at the end, as the
+request's output kind asks), finish state, timings; and, whatever the kind, each request's progress."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (vLLM's kinds): the API streams DELTA and answers the rest
+    FINAL_ONLY, so no step copies a request's whole output; CUMULATIVE is the engine's default."""
+
+    CUMULATIVE = 0   # every output: all text, tokens and logprobs so far
+    DELTA = 1        # every output: only what is new since the previous one (a sample with nothing new is left out)
+    FINAL_ONLY = 2   # one output, when the request finishes, whole
 
 
 @dataclass
@@ -54,3 +65,16 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ranks: list[int | None] = field(default_factory=list)   # beside prompt_logprobs (None: first)
     new_token_counts: list[int] = field(default_factory=list)  # tokens added this step, per output
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """One request's news in one step, whatever its output kind (metrics read these, not the outputs)."""
+
+    request_id: str
+    new_tokens: int               # tokens appended this step, over all its samples
+    finished: bool
+    metrics: RequestMetrics
+    num_prompt_tokens: int
+    output_lengths: tuple[int, ...] = ()   # when finished: each reported sample's token count
+    finish_reason: str | None = None       # when finished: the first reported sample's

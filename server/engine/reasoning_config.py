@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from .args import ConfigError
+from .config_error import ConfigError
 from .json_flag import json_object_flag
 from .thinking_budget import ThinkingMarkers
 

@@ -22,24 +22,23 @@ leave, in place of the seeded draw; greedy and beam rows are untouched.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedmodel.kernels import cpu_ops
 
-from .beam_group import BeamDecision, BeamGroup
+from .beam_group import BeamGroup
 from .penalties import apply_penalties, needs_penalties
 from .random_sampling import draw
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SequenceGroup
+from .step_types import ModelRunnerOutput, PromptLogprobs, PromptRanks, SampleResult, SamplerOutput
 from .thinking_budget import ThinkingBudget, ThinkingMarkers
 from .watermark import ContextHistory, context_of, context_seed, watermark_applies, watermarked_draw
 from .watermark_config import WatermarkConfig
 
-if TYPE_CHECKING:
-    from .model_runner import ModelRunnerOutput
 
 log = logging.getLogger("pagedmodel.engine")
 
@@ -54,13 +53,6 @@ class SamplingRow:
     matcher: Any = None                      # xgrammar.GrammarMatcher of a structured-output sample
     forced_token_id: int | None = None       # a spent thinking budget's end-marker token: drawn regardless
     watermark_seed: int | None = None        # the keyed noise's seed for this step's context (watermark.py)
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float
-    top_logprobs: dict[int, float] | None   # chosen token + the top-k, when logprobs were asked for
 
 
 def _apply_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
@@ -244,20 +236,6 @@ def _with_chosen(top: dict[int, float] | None, token: int, logprob: float) -> di
     entry = {token: logprob}
     entry.update((t, v) for t, v in top.items() if t != token)
     return entry
-
-
-PromptLogprobs = list[dict[int, float]]   # one {token: logprob, top-k...} per scored prompt token
-PromptRanks = list[int]                   # per scored prompt token: its rank in the distribution (1 = top)
-
-
-@dataclass
-class SamplerOutput:
-    # seq_id -> its new token; a request's first sample with best_of > 1 has best_of results, one per
-    # sample: the first is the sequence's own, the others go to the forks update_from_output makes
-    samples: dict[int, list[SampleResult]] = field(default_factory=dict)
-    beams: dict[str, BeamDecision] = field(default_factory=dict)                   # request_id -> beam step
-    prompt_logprobs: dict[int, tuple[int, PromptLogprobs, PromptRanks]] = field(default_factory=dict)
-    # seq_id -> (first scored position, entries, the prompt tokens' ranks)
 
 
 class Sampler:

@@ -2,23 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .structured_outputs_params import StructuredOutputsParams
+from .outputs import RequestOutputKind
+from .params_error import SamplingParamsError
+from .structured_outputs_params import StructuredOutputsParams
 
 MAX_N = 16          # samples (or beams) per request; more is a 400, not an OOM
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20   # the server's default --max-logprobs; the flag may raise it up to the vocabulary
-
-
-class SamplingParamsError(ValueError):
-    """A parameter is invalid; ``param`` names it (OpenAI's error ``param`` field)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -52,6 +44,7 @@ class SamplingParams:
     # vLLM's: at most this many tokens per thinking section, then the end marker is forced (thinking_budget.py);
     # -1 means unlimited, as None does
     thinking_token_budget: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what each output holds (outputs.py)
     watermarking: bool | None = None   # vLLM's: False opts out of the engine's --watermark-config (None: on)
 
     def __post_init__(self) -> None:
@@ -130,6 +123,8 @@ class SamplingParams:
                 fail(f"{name} must be a non-empty list of token ids", name)
         if self.logprob_token_ids is not None and self.use_beam_search:
             fail("logprob_token_ids is not supported with beam search", "logprob_token_ids")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}", "output_kind")
         if self.watermarking not in (None, True, False):
             fail(f"watermarking must be true, false or null, got {self.watermarking!r}", "watermarking")
         if self.early_stopping not in (True, False, "never"):
@@ -156,8 +151,6 @@ class SamplingParams:
                                       "thinking_token_budget")
 
     def _validate_structured_outputs(self) -> None:
-        from .structured_outputs_params import StructuredOutputsParams   # it imports this module's error
-
         so = self.structured_outputs
         if so is None:
             return

@@ -31,60 +31,13 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from .beam_group import BeamDecision
 from .block_manager import BlockManager
 from .lora.slots import LoRASlots
-from .sampler import SampleResult, SamplerOutput
 from .sequence import Sequence, SequenceGroup, SequenceStatus
 from .stats import EngineStats
+from .step_types import BeamDecision, SampleResult, SamplerOutput, ScheduledSequence, SchedulerOutput, StepUpdate
 from .stop_checker import StopChecker
-
-if TYPE_CHECKING:
-    from .lora.adapter import LoRAAdapter
-
-
-@dataclass
-class ScheduledSequence:
-    group: SequenceGroup
-    seq: Sequence
-    num_new_tokens: int
-    start: int = field(init=False)       # first position computed this step
-    samples: bool = field(init=False)    # this step computes the last known token: its logits give the next
-    block_ids: list[int] = field(default_factory=list)   # the sequence's block table, set by schedule()
-    lora_slot: int | None = None         # the slot holding its LoRA adapter's weights (None: base model)
-
-    def __post_init__(self) -> None:
-        self.start = self.seq.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu), done first
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, device), done second
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # copy-on-write, done third
-    lora_loads: list[tuple[int, LoRAAdapter]] = field(default_factory=list)  # (slot, adapter) to load first
-    preempted: list[SequenceGroup] = field(default_factory=list)
-    swapped_out: list[SequenceGroup] = field(default_factory=list)
-    swapped_in: list[SequenceGroup] = field(default_factory=list)
-    admitted: list[SequenceGroup] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class StepUpdate:
-    """What ``update_from_output`` changed: the output processor's input."""
-
-    touched: dict[str, SequenceGroup] = field(default_factory=dict)   # requests with news, in step order
-    new_token_counts: dict[int, int] = field(default_factory=dict)    # seq_id -> tokens appended this step
-    finished_beams: dict[str, BeamDecision] = field(default_factory=dict)  # request_id -> final beam decision
 
 
 class Scheduler:

@@ -52,6 +52,10 @@ class Sequence:
     # incremental detokenization state (see detokenizer.py)
     prefix_offset: int = 0
     read_offset: int = 0
+    # what the output processor has handed out: a DELTA output holds only what lies beyond
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +115,7 @@ class SequenceGroup:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None   # filled when params.prompt_logprobs is set
     prompt_token_ranks: list[int | None] = field(default_factory=list)   # beside prompt_logprobs: each token's rank
+    prompt_logprobs_sent: bool = False   # a DELTA request's prompt logprobs ride on its first output only
 
     def __post_init__(self) -> None:
         if not self.seqs:

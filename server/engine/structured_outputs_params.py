@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sampling_params import SamplingParamsError
+from .params_error import SamplingParamsError
 
 MAX_SPEC_CHARS = 64 * 1024      # a schema / regex / grammar larger than this is a 400, not a slow compile
 MAX_CHOICES = 256

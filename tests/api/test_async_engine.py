@@ -35,6 +35,7 @@ class RecordingEngine:
         self.admit = admit
         self.lock = threading.Lock()
         self.fail_step = False
+        self.step_progress = []
 
     def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None):
         if not prompt:

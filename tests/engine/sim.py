@@ -9,11 +9,12 @@ import random
 
 import torch
 
-from pagedmodel.server.engine.model_runner import ModelRunnerOutput
+from pagedmodel.server.engine.step_types import ModelRunnerOutput
 from pagedmodel.server.engine.outputs import RequestMetrics
 from pagedmodel.server.engine.sampler import Sampler
 from pagedmodel.server.engine.sampling_params import SamplingParams
-from pagedmodel.server.engine.scheduler import Scheduler, SchedulerOutput
+from pagedmodel.server.engine.scheduler import Scheduler
+from pagedmodel.server.engine.step_types import SchedulerOutput
 from pagedmodel.server.engine.sequence import SequenceGroup
 from pagedmodel.server.engine.stop_checker import StopChecker
 

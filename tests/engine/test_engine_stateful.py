@@ -19,9 +19,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pagedmodel.server.engine.args import EngineArgs
 from pagedmodel.server.engine.input_processor import InvalidRequestError
 from pagedmodel.server.engine.llm_engine import LLMEngine
-from pagedmodel.server.engine.model_runner import ModelRunnerOutput
+from pagedmodel.server.engine.step_types import ModelRunnerOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams
-from pagedmodel.server.engine.scheduler import SchedulerOutput
+from pagedmodel.server.engine.step_types import SchedulerOutput
 
 BS = 8
 NUM_BLOCKS = 16

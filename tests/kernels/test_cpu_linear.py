@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedmodel.kernels import cpu_linear, cpu_linear_plan, cpu_ops
+from pagedmodel.kernels import cpu_linear, cpu_linear_plan, cpu_ops, cpu_weight_layouts
 from pagedmodel.kernels.cpu_linear import PackedLinear, pack_linears
 from pagedmodel.kernels.cpu_linear_plan import FIXED_FLOAT32_SPLIT, FLOAT32_GEMM_MIN_ROWS, LinearPlan
 
@@ -139,8 +139,9 @@ def test_panel_op_is_the_float32_product_of_the_bf16_values(out_features, in_fea
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g) if bias else None
-    panels = cpu_linear.pack_panels(w)
-    assert panels.shape == (-(-out_features // cpu_linear.PANEL), -(-in_features // 2), 2 * cpu_linear.PANEL)
+    panels = cpu_weight_layouts.pack_panels(w)
+    panel = cpu_weight_layouts.PANEL
+    assert panels.shape == (-(-out_features // panel), -(-in_features // 2), 2 * panel)
     exact = F.linear(x.float(), w.float(), b)
     got32 = op(x, panels, out_features, b, True)
     torch.testing.assert_close(got32, exact, rtol=1e-5, atol=1e-4)
@@ -153,7 +154,7 @@ def test_panel_op_rejects_mismatched_shapes():
     op = cpu_ops.bf16_linear()
     if op is None:
         pytest.fail(f"the CPU ops are not loaded: {cpu_ops.load_error()}")
-    panels = cpu_linear.pack_panels(torch.randn(64, 16).bfloat16())
+    panels = cpu_weight_layouts.pack_panels(torch.randn(64, 16).bfloat16())
     with pytest.raises(RuntimeError, match="x has 18 columns"):
         op(torch.randn(2, 18).bfloat16(), panels, 64, None, False)
     with pytest.raises(RuntimeError, match="do not fit"):
@@ -170,7 +171,7 @@ def test_panels_need_avx512_and_the_op():
 def test_amx_tiles_hold_each_weight_where_the_tile_unit_reads_it():
     """Tile (n, d), row r, column c holds (W[16n + c][32d + 2r], W[16n + c][32d + 2r + 1]); padding is zero."""
     w = torch.arange(1, 40 * 70 + 1, dtype=torch.float32).view(40, 70).bfloat16()   # N, K not whole tiles
-    tiles = cpu_linear.pack_amx_tiles(w)
+    tiles = cpu_weight_layouts.pack_amx_tiles(w)
     assert tiles.shape == (3, 3, 512) and tiles.dtype == torch.int16
     as_bf16 = tiles.view(torch.bfloat16).view(3, 3, 16, 16, 2)
     for n, k in [(0, 0), (17, 33), (39, 69), (31, 64)]:
@@ -197,7 +198,7 @@ def test_amx_op_is_the_float32_product_of_the_bf16_values(out_features, in_featu
     w = torch.randn(out_features, in_features, generator=g).bfloat16()
     x = torch.randn(rows, in_features, generator=g).bfloat16()
     b = torch.randn(out_features, generator=g).bfloat16() if bias else None
-    tiles = cpu_linear.pack_amx_tiles(w)
+    tiles = cpu_weight_layouts.pack_amx_tiles(w)
     exact = F.linear(x.float(), w.float(), None if b is None else b.float())
     got32 = op(x, tiles, out_features, b, True)
     assert got32.dtype == torch.float32 and got32.shape == (rows, out_features)
@@ -210,7 +211,7 @@ def test_amx_op_is_the_float32_product_of_the_bf16_values(out_features, in_featu
 @needs_amx
 def test_amx_op_rejects_mismatched_shapes():
     op = _amx_op()
-    tiles = cpu_linear.pack_amx_tiles(torch.randn(64, 40).bfloat16())
+    tiles = cpu_weight_layouts.pack_amx_tiles(torch.randn(64, 40).bfloat16())
     with pytest.raises(RuntimeError, match="x has 70 columns"):
         op(torch.randn(2, 70).bfloat16(), tiles, 64, None, False)
     with pytest.raises(RuntimeError, match="do not fit"):
