@@ -32,10 +32,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pagedmodel.server.api.api_key import DEFAULT_AUTH_EXEMPT, add_auth_arguments
-from pagedmodel.server.api.errors import UNSERVED_HEADER, APIError
-from pagedmodel.server.api.http_limits import (HTTPLimits, add_limit_arguments, limits_from_args, non_negative_int,
-                                               positive_int)
+from pagedmodel.server.http_common.api_key import DEFAULT_AUTH_EXEMPT, add_auth_arguments
+from pagedmodel.server.http_common.errors import UNSERVED_HEADER, APIError
+from pagedmodel.server.http_common.http_limits import (HTTPLimits, add_limit_arguments, limits_from_args,
+                                                       non_negative_int, positive_int)
 from .adapter_affinity import Outcome, Served, choose, is_served, served_names
 from .admission import RateLimiter
 from .discovery import PodDiscovery, current_namespace
