@@ -28,6 +28,16 @@ def error_response(exc: APIError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=exc.headers or None)
 
 
+def refusal(status: int, message: str, *, code: str | None = None, retry_after: int | None = None,
+            err_type: str | None = None, param: str | None = None,
+            headers: dict[str, str] | None = None) -> web.Response:
+    """The router's own refusal of a request (429, 503, 404...) in the OpenAI shape."""
+    headers = dict(headers or {})
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return error_response(APIError(status, message, code=code, err_type=err_type, param=param, headers=headers))
+
+
 def _head_size(request: web.Request) -> int:
     return len(request.raw_path) + sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
 
