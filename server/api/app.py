@@ -18,7 +18,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from .api_key import APIKeyMiddleware, key_matches, unauthorized
+from pagedmodel.server.http_common.api_key import key_matches, unauthorized
+from .api_key import APIKeyMiddleware
 from .chat import create_chat_completion
 from .chat_batch import BatchChatCompletionRequest, create_chat_batch
 from .completions import create_completion

@@ -3,12 +3,12 @@
 Every non-2xx reply of the HTTP API is ``{"error": {"message", "type", "param", "code"}}`` with the
 status a client library maps to its exception class (400 BadRequestError, 401 AuthenticationError,
 404 NotFoundError, 503 with ``Retry-After``...). No handler lets a traceback reach a client: anything
-unexpected becomes a generic 500 body and the details go to the server log only.
+unexpected becomes a generic 500 body and the details go to the server log only. `APIError` and the
+body itself live in server/http_common/errors.py, shared with the router.
 """
 from __future__ import annotations
 
 import logging
-from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,55 +16,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# The shape itself is shared with the router (which loads no FastAPI); the API's modules import it from here.
+from pagedmodel.server.http_common.errors import UNSERVED_HEADER, APIError, error_body  # noqa: F401
+
 logger = logging.getLogger("pagedmodel.server.api")
-
-# Set on a 503 the engine sends before it has started the request (draining after SIGTERM, engine
-# dead), naming the reason: any other replica may take the request, so a router retries it there
-# instead of relaying it. A 503 without it is back-pressure from a live engine and is relayed.
-UNSERVED_HEADER = "X-PagedModel-Unserved"
-
-# OpenAI's `type` strings per status, as its SDKs and vLLM emit them.
-_TYPE_BY_STATUS = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestTooLargeError",
-    415: "UnsupportedMediaTypeError",
-    422: "UnprocessableEntityError",
-    429: "RateLimitError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-class APIError(Exception):
-    """A request the API refuses; handlers raise it and the app turns it into the JSON body."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 err_type: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = int(status)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.err_type = err_type or _TYPE_BY_STATUS.get(self.status) or _type_for(self.status)
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.err_type, self.param, self.code)
-
-
-def _type_for(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
-    except ValueError:   # non-standard codes such as 499
-        return "ClientError" if 400 <= status < 500 else "APIError"
-
-
-def error_body(message: str, err_type: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def error_response(exc: APIError) -> JSONResponse:

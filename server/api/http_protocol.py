@@ -12,28 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from http import HTTPStatus
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import APIError
-from .http_limits import HTTPLimits
-
-
-def write_raw_error(transport: asyncio.Transport, error: APIError) -> None:
-    """Write `error` as a complete JSON response on a connection the app never saw, then close it.
-
-    Written as raw bytes: h11 refuses to send a response while no request head was parsed (408) or
-    after it rejected one (400/431), and nothing more will be read from this connection anyway.
-    """
-    body = json.dumps(error.body()).encode()
-    head = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}", "content-type: application/json",
-            f"content-length: {len(body)}", "connection: close", *(f"{k}: {v}" for k, v in error.headers.items())]
-    transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
-    transport.close()
+from pagedmodel.server.http_common.errors import APIError, write_raw_error
+from pagedmodel.server.http_common.http_limits import HTTPLimits
 
 
 def _head_size(scope: dict[str, Any]) -> int:

@@ -9,10 +9,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from .api_key import add_auth_arguments
+from pagedmodel.server.http_common.api_key import add_auth_arguments
 from .app import build_app
 from .chat_template import load_chat_template
-from .http_limits import HTTPLimits, add_limit_arguments, limits_from_args
+from pagedmodel.server.http_common.http_limits import HTTPLimits, add_limit_arguments, limits_from_args
 from .http_protocol import limited_protocol
 from .reasoning import engine_reasoning_config
 from .serving import OpenAIServing, ServerConfig

@@ -26,10 +26,10 @@ from pagedmodel.server.engine.outputs import RequestOutput
 from pagedmodel.server.engine.sampling_params import SamplingParams, SamplingParamsError
 from .allocator import heap_trimmer
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestGroup, SubRequest
-from .api_key import DEFAULT_AUTH_EXEMPT
+from pagedmodel.server.http_common.api_key import DEFAULT_AUTH_EXEMPT
 from .embedding_payload import EmbeddingPayloadError, decode_embeddings
 from .errors import UNSERVED_HEADER, APIError, validation_message
-from .http_limits import HTTPLimits, read_body
+from pagedmodel.server.http_common.http_limits import HTTPLimits, read_body
 from .lora_adapters import resolve_model
 from .metrics import ServerMetrics, cache_config_labels
 from .protocol import ChatMessage, CompletionTokensDetails, PromptTokensDetails, UsageInfo

@@ -20,54 +20,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from pagedmodel.server.api.api_key import DEFAULT_AUTH_EXEMPT, add_auth_arguments
-from pagedmodel.server.api.errors import UNSERVED_HEADER, APIError
-from pagedmodel.server.api.http_limits import (HTTPLimits, add_limit_arguments, limits_from_args, non_negative_int,
-                                               positive_int)
-from .adapter_affinity import Outcome, Served, choose, is_served, served_names
+from pagedmodel.server.http_common.api_key import DEFAULT_AUTH_EXEMPT, add_auth_arguments
+from pagedmodel.server.http_common.http_limits import (HTTPLimits, add_limit_arguments, limits_from_args,
+                                                       non_negative_int, positive_int)
 from .admission import RateLimiter
 from .discovery import PodDiscovery, current_namespace
-from .http_guard import JSONErrorsAppRunner, guard_middleware, read_json
+from .dispatch import Dispatcher
+from .handlers import RouterHandlers
+from .http_guard import JSONErrorsAppRunner, guard_middleware
 from .metrics import RouterMetrics
 from .model_catalog import ModelCatalog
 from .prefix_cache import PrefixCacheRouting
-from .prefix_index import PromptChains
 from .prompt_tokens import load_tokenizer
-from .queue import AdmissionQueue, QueueFull, QueueTimeout, Ticket
+from .queue import AdmissionQueue
+from .relay import Relay
 from .strategies import STRATEGIES, Router
-from .tenancy import Admission, Tenancy
-from .token_limits import Limits, TenantLimiter, TokenDecision, parse_tenant_limit
-from .usage import UsageMeter
-from .upstreams import Upstream, UpstreamPool, scrape_once
+from .tenancy import Tenancy
+from .token_limits import Limits, TenantLimiter, parse_tenant_limit
+from .upstreams import UpstreamPool, scrape_once
 
 logger = logging.getLogger("pagedmodel.router")
 
-# Hop-by-hop headers (RFC 9110 §7.6.1) and ones the proxy recomputes are never forwarded.
-_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                  "transfer-encoding", "upgrade", "host", "content-length"})
 # On SIGTERM the router stops accepting and gives running requests (streams relayed from engines) this
 # long; the operator's router pods get a grace period above it (operator/desired_state.py).
 DRAIN_S = 60.0
-# The engine answers these for the model (base or LoRA adapter) the body's `model` names, 404 for others.
-_MODEL_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
-class UpstreamEjected(ConnectionError):
-    """The upstream was ejected (dead or hung) while a request waited for its answer."""
-
-
-_CONNECT_ERRORS = (UpstreamEjected, aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                   aiohttp.ServerTimeoutError, asyncio.TimeoutError)
 
 
 @dataclass
@@ -100,62 +86,12 @@ class RouterConfig:
     upstream_api_key: str | None = None   # for the router's own calls to engines (their KV-event streams)
 
 
-def _error(status: int, message: str, *, code: str | None = None, retry_after: int | None = None,
-           err_type: str | None = None, param: str | None = None,
-           headers: dict[str, str] | None = None) -> web.Response:
-    headers = dict(headers or {})
-    if retry_after is not None:
-        headers["Retry-After"] = str(retry_after)
-    return web.json_response(APIError(status, message, code=code, err_type=err_type, param=param).body(),
-                             status=status, headers=headers or None)
-
-
-def _tools_key(tools: Any) -> str:
-    """Tool definitions as canonical JSON: the same tools (whatever their key order) give the same key."""
-    return "tools:" + json.dumps(tools, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def _prompt_key(body: dict[str, Any]) -> str:
-    """The leading text prefix affinity hashes: the prompt, or the chat messages rendered in order.
-
-    A chat request's tools go where the engine renders them, into the system prompt ahead of the
-    conversation (after the first system message's own text), so requests sharing a system prompt and
-    tools share an upstream, and with it their cached prefix.
-    """
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]   # a batch of prompts: the first one decides
-    if isinstance(prompt, list):   # token ids
-        return ",".join(map(str, prompt))
-    if isinstance(prompt, str):
-        return prompt
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        parts = []
-        for m in messages:
-            if isinstance(m, dict):
-                content = m.get("content")
-                parts.append(f"{m.get('role')}:{content if isinstance(content, str) else json.dumps(content)}")
-        tools = body.get("tools")
-        if tools:
-            first_is_system = bool(messages) and isinstance(messages[0], dict) and messages[0].get("role") == "system"
-            parts.insert(1 if first_is_system else 0, _tools_key(tools))
-        return "\n".join(parts)
-    return ""
-
-
-@dataclass
-class _Pending:
-    prompt: str
-    chains: PromptChains | None = None   # the prompt's block hashes (prefix-cache strategy only)
-    upstream: Upstream | None = None
-    admission: Admission | None = None
-    exclude: set[str] = field(default_factory=set)
-    model: str | None = None             # the request's `model`: only upstreams serving it may take it
-
-
 class RouterApp:
-    """Owns the pool, limiter, queue and strategy; builds the aiohttp application."""
+    """Owns the router's parts and their lifecycle (start, maintenance, stop); builds the aiohttp application.
+
+    The request path runs through `handlers.py` (checks, then one `RoutedRequest`), `dispatch.py` (a slot
+    on an upstream, at once or through the queue) and `relay.py` (forwarding, retries, the streamed answer).
+    """
 
     def __init__(self, cfg: RouterConfig, *, clock: Callable[[], float] = time.monotonic,
                  discovery: PodDiscovery | None = None, prefix_cache: PrefixCacheRouting | None = None) -> None:
@@ -181,6 +117,11 @@ class RouterApp:
         self.tenancy = Tenancy(TenantLimiter(limits, overrides=cfg.tenant_overrides, header=cfg.tenant_header,
                                              clock=clock), self.queue, self.metrics,
                                default_max_tokens=cfg.default_max_tokens, clock=clock)
+        self.dispatcher = Dispatcher(self.pool, self.queue, self.router, self.catalog, self.tenancy, self.metrics,
+                                     prefix_cache, clock)
+        self.relay = Relay(self.pool, self.dispatcher, self.metrics, max_attempts=cfg.max_attempts,
+                           stream_idle_timeout=cfg.limits.stream_idle_timeout, clock=clock)
+        self.handlers = RouterHandlers(self)
         self.session: aiohttp.ClientSession | None = None
         self._background: asyncio.Task[None] | None = None
         self._gauged: set[str] = set()
@@ -190,20 +131,21 @@ class RouterApp:
 
     def build(self) -> web.Application:
         cfg = self.cfg
-        guard = guard_middleware(cfg.limits, cfg.api_key, cfg.auth_exempt, count=self._count,
+        handlers = self.handlers
+        guard = guard_middleware(cfg.limits, cfg.api_key, cfg.auth_exempt, count=handlers.count,
                                  connections=lambda: len(self.http_server.connections) if self.http_server else 0)
         app = web.Application(client_max_size=cfg.limits.max_body_bytes, middlewares=[guard])
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/v1/models", self.models_list)
-        app.router.add_post("/v1/{tail:.+}", self.proxy_post)
+        app.router.add_get("/health", handlers.health)
+        app.router.add_get("/metrics", handlers.metrics_endpoint)
+        app.router.add_get("/v1/models", handlers.models_list)
+        app.router.add_post("/v1/{tail:.+}", handlers.proxy_post)
         # vLLM's serving surface, passed through as the /v1 routes are; /ping is the router's own liveness
-        app.router.add_post("/tokenize", self.proxy_post)
-        app.router.add_post("/detokenize", self.proxy_post)
-        app.router.add_get("/version", self.models)
-        app.router.add_get("/openapi.json", self.models)   # the engines' document: the same surface
-        app.router.add_get("/ping", self.health)
-        app.router.add_post("/ping", self.health)
+        app.router.add_post("/tokenize", handlers.proxy_post)
+        app.router.add_post("/detokenize", handlers.proxy_post)
+        app.router.add_get("/version", handlers.models)
+        app.router.add_get("/openapi.json", handlers.models)   # the engines' document: the same surface
+        app.router.add_get("/ping", handlers.health)
+        app.router.add_post("/ping", handlers.health)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -214,6 +156,7 @@ class RouterApp:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout),
             auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
+        self.relay.session = self.session
         if self.prefix_cache is not None:
             self.prefix_cache.start(self.session, self.pool.upstreams)
         self._background = asyncio.create_task(self._maintain())
@@ -228,8 +171,8 @@ class RouterApp:
         self.pool.set_urls(urls)
         if self.prefix_cache is not None:
             self.prefix_cache.sync(self.pool.upstreams)
-        self._dispatch()
-        self._update_gauges()
+        self.dispatcher.dispatch()
+        self.update_gauges()
 
     async def _stop(self, _app: web.Application) -> None:
         if self.discovery is not None:
@@ -258,15 +201,15 @@ class RouterApp:
                 self.queue.expire()
                 if self.prefix_cache is not None:   # a drained upstream leaves the pool between changes
                     self.prefix_cache.sync(self.pool.upstreams)
-                self._dispatch()
-                self._update_gauges()
+                self.dispatcher.dispatch()
+                self.update_gauges()
             except asyncio.CancelledError:
                 raise
             except Exception:   # the loop must survive anything one round throws
                 logger.exception("router maintenance round failed")
             await asyncio.sleep(self.cfg.scrape_interval)
 
-    def _update_gauges(self) -> None:
+    def update_gauges(self) -> None:
         self.metrics.queue_length.set(len(self.queue))
         self.tenancy.update_gauges()
         for up in self.pool.upstreams.values():
@@ -298,334 +241,6 @@ class RouterApp:
             self.metrics.asyncio_tasks.set(len(asyncio.all_tasks()))
         except RuntimeError:   # no running loop (unit tests calling in from outside one)
             pass
-
-    # admission
-
-    def _pick(self, prompt: str, exclude: set[str] = frozenset(),  # type: ignore[assignment]
-              chains: PromptChains | None = None, model: str | None = None) -> Upstream | None:
-        # Adapter affinity first (only upstreams serving `model`, resident ones preferred), then a retry
-        # avoids the upstreams it already tried, then the strategy scores what is left.
-        affinity = choose(model, [u.view() for u in self.pool.available()], self.catalog.servings())
-        views = [v for v in affinity.candidates if v.url not in exclude]
-        if not views and affinity.candidates:
-            if self._untried_elsewhere(exclude, model):
-                return None   # wait for a busy replica it has not failed on, not the one that just failed it
-            views = affinity.candidates   # it has been everywhere: the same replica again beats a refusal
-        if self.prefix_cache is not None:
-            views = self.prefix_cache.annotate(views, chains)
-        view = self.router.pick(views, prompt)
-        if view is None:
-            return None
-        if affinity.outcome not in (Outcome.BASE, Outcome.NONE):   # every pick is acquired by the caller
-            self.metrics.adapter_routing.labels(affinity.outcome.value).inc()
-        if self.prefix_cache is not None:
-            self.prefix_cache.routed(view.url, chains)
-        return self.pool.upstreams.get(view.url)
-
-    def _untried_elsewhere(self, exclude: set[str], model: str | None) -> bool:
-        """Some replica serving ``model`` and not in ``exclude`` takes requests, though none is free now."""
-        others = [u.view() for u in self.pool.routable() if u.url not in exclude]
-        return bool(others) and bool(choose(model, others, self.catalog.servings()).candidates)
-
-    def _dispatch(self) -> None:
-        """Hand free upstream slots to queued requests, most urgent first."""
-        self.queue.expire()
-        while (ticket := self.queue.peek()) is not None:
-            pending: _Pending = ticket.payload
-            up = self._pick(pending.prompt, pending.exclude, pending.chains, pending.model)
-            if up is None:
-                ticket, up = self._first_placeable_behind()
-                if ticket is None or up is None:
-                    break
-                pending = ticket.payload
-            self.pool.acquire(up)
-            pending.upstream = up
-            self.queue.grant(ticket)
-            if pending.admission is not None:
-                self.tenancy.dispatched(pending.admission, queued=True)
-        self.metrics.queue_length.set(len(self.queue))
-
-    def _first_placeable_behind(self) -> tuple[Ticket | None, Upstream | None]:
-        """The most urgent queued request some free upstream serves, when the head's model has none free
-        (its only replicas are full): a request for another model must not wait behind it."""
-        blocked: set[str | None] = set()   # a model's pick does not depend on the request otherwise
-        for ticket in self.queue.waiting_in_order():
-            pending: _Pending = ticket.payload
-            if pending.model in blocked:
-                continue
-            up = self._pick(pending.prompt, pending.exclude, pending.chains, pending.model)
-            if up is not None:
-                return ticket, up
-            if pending.exclude:   # a retry waits for a replica it has not tried: others may go where it failed
-                continue
-            if pending.model is None:   # nothing is free at all
-                break
-            blocked.add(pending.model)
-        return None, None
-
-    async def _acquire(self, priority: int, prompt: str, exclude: set[str], adm: Admission | None,
-                       chains: PromptChains | None = None, model: str | None = None) -> Upstream:
-        """A slot on an upstream: at once when one is free and nobody waits, else through the queue."""
-        if len(self.queue) == 0:
-            up = self._pick(prompt, exclude, chains, model)
-            if up is not None:
-                self.pool.acquire(up)
-                if adm is not None:
-                    self.tenancy.dispatched(adm, queued=False)
-                return up
-        pending = _Pending(prompt, chains=chains, exclude=exclude, admission=adm, model=model)
-        ticket: Ticket = self.queue.enqueue(priority, with_future=True, payload=pending,
-                                            tenant=adm.tenant if adm else "", cost=adm.reserved if adm else 0)
-        self.metrics.queue_length.set(len(self.queue))
-        self._dispatch()
-        try:
-            await self.queue.wait(ticket)
-        except asyncio.CancelledError:
-            if pending.upstream is not None:   # granted in the same instant the client left
-                self._prefilled(chains)
-                self._release(pending.upstream)
-            raise
-        finally:
-            self.metrics.queue_length.set(len(self.queue))
-            self.metrics.queue_time.observe(max(0.0, self.clock() - ticket.enqueued_at))
-        assert pending.upstream is not None
-        return pending.upstream
-
-    def _prefilled(self, chains: PromptChains | None) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.prefilled(chains)
-
-    def _release(self, up: Upstream) -> None:
-        self.pool.release(up)
-        self.metrics.inflight.labels(up.url).set(up.inflight)
-        self._dispatch()
-
-    # endpoints
-
-    async def health(self, _request: web.Request) -> web.Response:
-        ready = sum(1 for u in self.pool.upstreams.values() if not u.ejected and not u.draining)
-        return web.json_response({"status": "ok", "upstreams": len(self.pool.upstreams), "upstreams_ready": ready,
-                                  "queue_length": len(self.queue)})
-
-    async def metrics_endpoint(self, _request: web.Request) -> web.Response:
-        self._update_gauges()
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
-
-    async def models(self, request: web.Request) -> web.StreamResponse:
-        """/version and /openapi.json, from any ready upstream (they all run the same server)."""
-        return await self._forward(request, "GET", b"", priority=0, prompt="", adm=None)
-
-    async def models_list(self, request: web.Request) -> web.StreamResponse:
-        """The union of what the upstreams serve (base model + each one's adapters), freshly asked; passed
-        through from any ready upstream while the router cannot read their lists (e.g. no --upstream-api-key)."""
-        assert self.session is not None
-        await self.catalog.refresh_after(self.clock(), self.session)
-        cards = self.catalog.cards()
-        if cards is None:
-            return await self.models(request)
-        return self._count(web.json_response({"object": "list", "data": cards}))
-
-    async def _unserved_model(self, model: str) -> web.Response | None:
-        """404 model_not_found for a name no upstream lists, after asking them all once more (it may have
-        been loaded a moment ago); None when some upstream serves it or none has answered yet."""
-        if is_served(model, self.catalog.servings()) is not Served.NO:
-            return None
-        assert self.session is not None
-        await self.catalog.refresh_after(self.clock(), self.session)
-        servings = self.catalog.servings()
-        if is_served(model, servings) is not Served.NO:
-            return None
-        self.metrics.adapter_routing.labels("not_served").inc()
-        names = ", ".join(f"`{n}`" for n in served_names(servings))
-        return _error(404, f"The model `{model}` does not exist. The replicas behind this router serve {names}.",
-                      code="model_not_found", param="model")
-
-    async def proxy_post(self, request: web.Request) -> web.StreamResponse:
-        payload, body = await read_json(request, self.cfg.limits)   # an APIError leaves through the guard
-        priority = payload.get("priority", 0)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            return self._count(_error(400, "priority must be an integer (lower values are served first)",
-                                      code="invalid_priority"))
-        decision = self.limiter.check(self.limiter.client_key(request.headers))
-        if not decision.allowed:
-            self.metrics.rate_limited.labels(decision.scope).inc()
-            return self._count(_error(429, f"rate limit exceeded ({decision.scope}); retry after "
-                                           f"{decision.retry_after}s", code="rate_limit_exceeded",
-                                      retry_after=decision.retry_after))
-        model = payload.get("model") if request.path in _MODEL_PATHS and isinstance(payload.get("model"), str) else None
-        if model is not None and (missing := await self._unserved_model(model)) is not None:
-            return self._count(missing)
-        adm = self.tenancy.admit(request.headers, payload, generates=request.path.endswith("/completions"))
-        if isinstance(adm, TokenDecision):
-            return self._count(self._tenant_refusal(adm))
-        try:
-            chains = await self.prefix_cache.chains(request.path, payload) if self.prefix_cache is not None else None
-            return await self._forward(request, "POST", body, priority=priority, prompt=_prompt_key(payload), adm=adm,
-                                       chains=chains, model=model)
-        finally:
-            self.tenancy.finish(adm)
-
-    def _tenant_refusal(self, refused: TokenDecision) -> web.Response:
-        self.metrics.rate_limited.labels("tenant").inc()
-        # OpenAI's shape: type names the exhausted limit ("requests" or "tokens"), code rate_limit_exceeded.
-        return _error(429, refused.message, code="rate_limit_exceeded", err_type=refused.scope,
-                      param=refused.param, retry_after=refused.retry_after, headers=refused.headers)
-
-    def _count(self, resp: web.StreamResponse) -> web.StreamResponse:
-        self.metrics.requests.labels(str(resp.status)).inc()
-        return resp
-
-    async def _forward(self, request: web.Request, method: str, body: bytes, *, priority: int,
-                       prompt: str, adm: Admission | None,
-                       chains: PromptChains | None = None, model: str | None = None) -> web.StreamResponse:
-        assert self.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        tried: set[str] = set()
-        unserved: str | None = None   # the last attempt's refusal, when an engine refused it unstarted
-        for attempt in range(self.cfg.max_attempts):
-            try:
-                up = await self._acquire(priority, prompt, tried, adm, chains, model)
-            except QueueFull as exc:
-                return self._count(_error(503, "router queue is full", code="queue_full",
-                                          retry_after=exc.retry_after))
-            except QueueTimeout as exc:
-                return self._count(_error(503, f"no upstream could take the request: {exc}", code="queue_timeout",
-                                          retry_after=exc.retry_after))
-            tried.add(up.url)
-            started = self.clock()
-            try:
-                upstream_resp = await self._send_upstream(up, method, up.url + request.path_qs, body, headers)
-            except _CONNECT_ERRORS as exc:
-                # Nothing reached the client yet: count the failure and try another replica.
-                logger.warning("upstream %s failed before responding (%s); retrying elsewhere", up.url, exc)
-                if self.pool.record_failure(up):
-                    self.metrics.healthy.labels(up.url).set(0)
-                self._prefilled(chains)
-                self._release(up)
-                unserved = None
-                if attempt + 1 < self.cfg.max_attempts:
-                    self.metrics.retries.inc()
-                continue
-            if (reason := _unserved_reason(upstream_resp)) is not None:
-                # The engine refused before starting (draining after SIGTERM, dead): another replica
-                # takes it; relaying this 503 would lose a request during every scale-down or rollout.
-                upstream_resp.release()
-                self.pool.record_unserved(up, reason)
-                self._prefilled(chains)
-                self._release(up)
-                unserved = reason
-                if attempt + 1 < self.cfg.max_attempts:
-                    self.metrics.retries.inc()
-                continue
-            try:
-                relayed = await self._relay(request, upstream_resp, up, adm, chains)
-            except BaseException:
-                upstream_resp.close()   # client gone or relay broken: drop the upstream connection (aborts it)
-                raise
-            else:
-                upstream_resp.release()
-                return self._count(relayed)
-            finally:
-                self.metrics.latency.labels(up.url).observe(max(0.0, self.clock() - started))
-                self._prefilled(chains)
-                self._release(up)
-        if unserved is not None:
-            return self._count(_error(503, f"no replica could take the request after {self.cfg.max_attempts} "
-                                           f"attempts (last: {unserved})", code="upstreams_unavailable",
-                                      retry_after=1))
-        return self._count(_error(502, f"no upstream answered after {self.cfg.max_attempts} attempts",
-                                  code="upstream_unreachable"))
-
-    async def _send_upstream(self, up: Upstream, method: str, url: str, body: bytes,
-                             headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """The upstream's response, unless the pool ejects it first (its scrapes or other requests failed:
-        dead or hung, e.g. SIGSTOPped). A non-streamed answer sends nothing until it is done, so silence
-        alone cannot tell a hung engine from a long generation; the ejection can, and then the request,
-        which sent the client nothing yet, is dropped here and retried elsewhere by the caller."""
-        assert self.session is not None
-        deadline = asyncio.timeout(None)   # in this task: aiohttp's response must be read where it was made
-
-        def on_eject() -> None:
-            deadline.reschedule(asyncio.get_running_loop().time())
-        up.on_eject.add(on_eject)
-        try:
-            async with deadline:
-                return await self.session.request(method, url, data=body or None, headers=headers)
-        except TimeoutError:
-            if deadline.expired():   # closes its connection: the engine sees the disconnect and aborts it
-                raise UpstreamEjected(f"{up.url} was taken out of rotation before it answered") from None
-            raise
-        finally:
-            up.on_eject.discard(on_eject)
-
-    async def _relay(self, request: web.Request, upstream_resp: aiohttp.ClientResponse,
-                     up: Upstream, adm: Admission | None, chains: PromptChains | None = None) -> web.StreamResponse:
-        """Copy status and headers, then each chunk as it arrives (never the whole body at once). The first
-        chunk with generated text (any chunk of a non-streamed body) ends the request's pending prefill."""
-        # Only gateway-type answers count against the replica: a 500 may be one poisoned request (three
-        # of them must not eject every healthy engine) and a 503 is back-pressure from a live engine.
-        if upstream_resp.status in (502, 504):
-            self.pool.record_failure(up)
-        else:
-            self.pool.record_success(up)
-        resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
-        for k, v in upstream_resp.headers.items():
-            if k.lower() not in _HOP:
-                resp.headers.add(k, v)
-        is_sse = upstream_resp.content_type == "text/event-stream"
-        meter = UsageMeter(streamed=is_sse)
-        if adm is not None:
-            for k, v in adm.headers.items():
-                resp.headers[k] = v
-            adm.meter, adm.relayed, adm.status = meter, True, upstream_resp.status
-        await resp.prepare(request)
-        # A stream whose engine stalls (hung, SIGSTOPped) is ended after --stream-idle-timeout, not held open.
-        idle = self.cfg.limits.stream_idle_timeout if is_sse else None
-        try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(upstream_resp.content.readany(), idle)
-                except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                    return await self._upstream_failed_mid_response(request, resp, up, exc, idle if is_sse else None)
-                if not chunk:
-                    break
-                meter.feed(chunk)
-                if meter.text_events or not is_sse:
-                    self._prefilled(chains)
-                await resp.write(chunk)
-            meter.finish()
-            await resp.write_eof()
-        except ConnectionResetError:
-            # The client left mid-response: not the engine's fault. Closing the upstream response drops the
-            # engine's connection, which aborts the request there and frees its KV blocks.
-            logger.info("client left mid-response from %s; request dropped upstream", up.url)
-            upstream_resp.close()
-        return resp
-
-    async def _upstream_failed_mid_response(self, request: web.Request, resp: web.StreamResponse, up: Upstream,
-                                            exc: Exception, sse_idle: float | None) -> web.StreamResponse:
-        """The engine broke off after the headers went out: an SSE error event and [DONE] end a stream
-        (``sse_idle`` is its --stream-idle-timeout); any other body is cut short, the only honest signal left."""
-        logger.warning("upstream %s failed mid-response: %s", up.url, exc)
-        self.pool.record_failure(up)
-        if sse_idle is None:
-            if request.transport is not None:
-                request.transport.close()
-            return resp
-        why = str(exc) or f"no data for {sse_idle:g}s (--stream-idle-timeout)"
-        err = APIError(502, f"upstream failed mid-stream: {why}", code="upstream_failed").body()
-        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")   # as the engine ends its failed streams
-        await resp.write_eof()
-        return resp
-
-
-def _unserved_reason(resp: aiohttp.ClientResponse) -> str | None:
-    """Why the engine refused the request before starting it (its 503 says so in a header), else None."""
-    if resp.status != 503:
-        return None
-    return resp.headers.get(UNSERVED_HEADER)
-
 
 # CLI
 

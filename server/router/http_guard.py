@@ -1,6 +1,6 @@
 """What the router checks before a request costs it more than its head: connections, the API key,
 the head's size, and (for POSTs) the body's size, arrival time, JSON and field limits — the engine's
-limits and messages (pagedmodel.server.api.http_limits), so both servers answer alike.
+limits and messages (pagedmodel.server.http_common.http_limits), so both servers answer alike.
 
 Every refusal, aiohttp's own 404/405 and the errors its HTTP parser raises before any handler runs (one
 header line over --max-header-bytes: 431; a malformed request line or header: 400; a head still
@@ -17,16 +17,25 @@ from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 from aiohttp.web_protocol import RequestHandler
 
-from pagedmodel.server.api.api_key import key_matches, unauthorized
-from pagedmodel.server.api.errors import APIError
-from pagedmodel.server.api.http_limits import HTTPLimits, read_body
-from pagedmodel.server.api.http_protocol import write_raw_error
+from pagedmodel.server.http_common.api_key import key_matches, unauthorized
+from pagedmodel.server.http_common.errors import APIError, write_raw_error
+from pagedmodel.server.http_common.http_limits import HTTPLimits, read_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(exc: APIError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status, headers=exc.headers or None)
+
+
+def refusal(status: int, message: str, *, code: str | None = None, retry_after: int | None = None,
+            err_type: str | None = None, param: str | None = None,
+            headers: dict[str, str] | None = None) -> web.Response:
+    """The router's own refusal of a request (429, 503, 404...) in the OpenAI shape."""
+    headers = dict(headers or {})
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return error_response(APIError(status, message, code=code, err_type=err_type, param=param, headers=headers))
 
 
 def _head_size(request: web.Request) -> int:

@@ -19,9 +19,6 @@ from typing import Any
 
 import aiohttp
 
-from pagedmodel.server.api.protocol import ChatMessage
-from pagedmodel.server.api.tool_definitions import parse_tools
-from pagedmodel.server.api.tool_prompt import prepare_chat
 from pagedmodel.server.engine.input_processor import encode_prompt
 from .prefix_index import PromptChains
 
@@ -59,6 +56,13 @@ def _chat_ids(tokenizer: Any, body: dict[str, Any]) -> list[int] | None:
     if not template or not isinstance(messages, list) or not messages:
         return None
     try:
+        # The engine API's own chat rendering, so the ids match its /v1/chat/completions exactly. Imported
+        # here, not at the top: only a router given --tokenizer (which brings transformers and the model
+        # files anyway) renders chat locally; the router as deployed never loads server/api.
+        from pagedmodel.server.api.protocol import ChatMessage
+        from pagedmodel.server.api.tool_definitions import parse_tools
+        from pagedmodel.server.api.tool_prompt import prepare_chat
+
         dicts = [ChatMessage.model_validate(m).template_dict(i) for i, m in enumerate(messages)]
         dicts, extra = prepare_chat(dicts, parse_tools(body.get("tools")), template)
         text = tokenizer.apply_chat_template(dicts, tokenize=False,

@@ -9,7 +9,8 @@ import json
 import httpx
 import pytest
 
-from pagedmodel.server.api.api_key import APIKeyMiddleware, key_matches, parse_exempt
+from pagedmodel.server.api.api_key import APIKeyMiddleware
+from pagedmodel.server.http_common.api_key import key_matches, parse_exempt
 from .conftest import API_KEY, ServerProcess
 
 BAD_AUTH = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"},

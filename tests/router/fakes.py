@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from pagedmodel.server.api.errors import UNSERVED_HEADER
+from pagedmodel.server.http_common.errors import UNSERVED_HEADER
 from pagedmodel.server.router.app import RouterApp, RouterConfig, serve
 from support import free_port
 

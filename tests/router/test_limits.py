@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from pagedmodel.server.api.http_limits import HTTPLimits
+from pagedmodel.server.http_common.http_limits import HTTPLimits
 from raw_http import connect, post_head, send_raw, trickle
 from support import assert_openai_error
 from fakes import FakeUpstream, run, running_router

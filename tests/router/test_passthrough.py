@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from pagedmodel.server.router.app import _prompt_key
+from pagedmodel.server.router.request import prompt_key
 from pagedmodel.server.router.strategies import PrefixAffinity
 from pagedmodel.server.router.upstreams import UpstreamView
 # the same real router in front of a real tiny engine (this module gets its own instance)
@@ -75,24 +75,24 @@ def test_prefix_key_includes_tools_canonically() -> None:
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
     reordered = {"function": {"parameters": PICK["function"]["parameters"], "description": "Pick a color",
                               "name": "pick"}, "type": "function"}
-    key = _prompt_key({"messages": msgs, "tools": [PICK]})
-    assert key == _prompt_key({"messages": msgs, "tools": [reordered]})   # key order does not matter
+    key = prompt_key({"messages": msgs, "tools": [PICK]})
+    assert key == prompt_key({"messages": msgs, "tools": [reordered]})   # key order does not matter
     assert key.startswith("system:S\ntools:") and key.endswith("\nuser:U")   # where the engine renders them
-    assert _prompt_key({"messages": msgs[1:], "tools": [PICK]}).startswith("tools:")
-    other = _prompt_key({"messages": msgs, "tools": [{"type": "function", "function": {"name": "other"}}]})
-    assert other != key and _prompt_key({"messages": msgs}) == "system:S\nuser:U"
+    assert prompt_key({"messages": msgs[1:], "tools": [PICK]}).startswith("tools:")
+    other = prompt_key({"messages": msgs, "tools": [{"type": "function", "function": {"name": "other"}}]})
+    assert other != key and prompt_key({"messages": msgs}) == "system:S\nuser:U"
 
 
 def test_prefix_strategy_sends_the_same_tools_request_to_one_replica() -> None:
     ups = [UpstreamView(f"http://10.0.0.{i}:8000") for i in range(4)]
     tools = [{"type": "function", "function": {"name": f"tool_{j}", "description": f"Does thing number {j}",
                                                "parameters": {"type": "object"}}} for j in range(4)]
-    assert len(_prompt_key({"messages": [], "tools": tools})) > PrefixAffinity().prefix_chars
+    assert len(prompt_key({"messages": [], "tools": tools})) > PrefixAffinity().prefix_chars
     pa = PrefixAffinity()
-    same = {pa.pick(ups, _prompt_key({"messages": [{"role": "user", "content": f"q{i}"}], "tools": tools})).url
+    same = {pa.pick(ups, prompt_key({"messages": [{"role": "user", "content": f"q{i}"}], "tools": tools})).url
             for i in range(20)}
     assert len(same) == 1   # the tool definitions lead the key: one replica holds their cached prefix
-    spread = {pa.pick(ups, _prompt_key({"messages": [{"role": "user", "content": "q"}],
+    spread = {pa.pick(ups, prompt_key({"messages": [{"role": "user", "content": "q"}],
                                         "tools": [{"type": "function", "function": {"name": f"t{i}"}}]})).url
               for i in range(40)}
     assert len(spread) > 1   # different tools may go elsewhere

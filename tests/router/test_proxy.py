@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pagedmodel.server.router import app as router_app
+from pagedmodel.server.router import relay as router_relay
 
 from fakes import FakeUpstream, eventually, run, running_router
 
@@ -288,7 +288,7 @@ def test_a_client_leaving_mid_stream_is_not_held_against_the_engine(caplog, monk
             await super().write(data)
 
     patched_web = SimpleNamespace(**{**vars(web), "StreamResponse": ClientGoneAfterFirstEvent})
-    monkeypatch.setattr(router_app, "web", patched_web)
+    monkeypatch.setattr(router_relay, "web", patched_web)   # the relay builds the response
 
     async def main():
         up = FakeUpstream("a")
@@ -394,8 +394,8 @@ def test_cli_serves_and_exits_0_on_sigterm(tmp_path):
     ({}, ""),
 ])
 def test_prefix_key_of_request_bodies(body, key):
-    from pagedmodel.server.router.app import _prompt_key
-    assert _prompt_key(body) == key
+    from pagedmodel.server.router.request import prompt_key
+    assert prompt_key(body) == key
 
 
 def test_per_client_limit_by_header_over_http():
