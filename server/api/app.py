@@ -18,7 +18,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedmodel.server.http_common.api_key import key_matches, unauthorized
 from .api_key import APIKeyMiddleware
 from .chat import create_chat_completion
 from .chat_batch import BatchChatCompletionRequest, create_chat_batch
@@ -104,19 +103,13 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     if config.log_requests:
         app.add_middleware(RequestLogMiddleware)
 
-    def check_key(request: Request) -> None:
-        if config.api_key is None:
-            return
-        if not key_matches(request.headers.get("authorization"), config.api_key):
-            raise unauthorized()
-
-    def keyed(handler: Callable[[OpenAIServing, Request], Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+    # The API key is decided in one place, APIKeyMiddleware (every path but --auth-exempt); routes only serve.
+    def bound(handler: Callable[[OpenAIServing, Request], Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
         async def route(request: Request) -> Response:
-            check_key(request)
             return await handler(serving, request)
         return route
 
-    # The POST routes that use the model: all behind the API key.
+    # The POST routes that use the model.
     # Each names its body model for the OpenAPI document only (openapi.py); parsing stays in serving.py.
     routes = (("/v1/completions", create_completion, CompletionRequest),
               ("/v1/chat/completions", create_chat_completion, ChatCompletionRequest),
@@ -125,17 +118,16 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
               ("/v1/load_lora_adapter", load_lora_adapter, LoadLoRAAdapterRequest),
               ("/v1/unload_lora_adapter", unload_lora_adapter, UnloadLoRAAdapterRequest))
     for path, handler, body in routes:
-        app.post(path, openapi_extra=request_body(body))(keyed(handler))
+        app.post(path, openapi_extra=request_body(body))(bound(handler))
     install_openapi(app, [body for _, _, body in routes])
-    # The prefix-cache change stream a router subscribes to (kv_events.py); keyed like the model routes.
-    app.get("/v1/kv_events")(keyed(stream_kv_events))
+    # The prefix-cache change stream a router subscribes to (kv_events.py).
+    app.get("/v1/kv_events")(bound(stream_kv_events))
 
     # vLLM's /invocations, /load, /tokenizer_info; its X-Request-Id middleware is added last, so outermost
-    install_vllm_endpoints(app, config, keyed)
+    install_vllm_endpoints(app, config, bound)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        check_key(request)
+    async def models() -> Response:
         card = ModelCard(id=serving.model_name, root=config.model_root or serving.model_name,
                          max_model_len=serving.max_model_len)
         cards = [card, *adapter_cards(serving)]   # LoRA adapters, each with parent = the base model
@@ -161,8 +153,7 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
 
     if config.enable_debug_endpoints:
         @app.get("/debug/kv_blocks")
-        async def debug_kv_blocks(request: Request) -> Response:
-            check_key(request)
+        async def debug_kv_blocks() -> Response:
             return JSONResponse(await serving.async_engine.call(kv_blocks_report))
 
     return app

@@ -138,18 +138,18 @@ async def invocations(serving: OpenAIServing, request: Request) -> Response:
 
 
 def install_vllm_endpoints(app: FastAPI, config: ServerConfig,
-                           keyed: Callable[[Handler], Callable[..., Awaitable[Response]]]) -> None:
-    """/invocations, /load and (by its flag) /tokenizer_info, each behind the API key like the model routes
-    (``keyed``); and the middlewares of --enable-server-load-tracking and --enable-request-id-headers."""
+                           bound: Callable[[Handler], Callable[..., Awaitable[Response]]]) -> None:
+    """/invocations, /load and (by its flag) /tokenizer_info, each bound to the serving state by ``bound`` (the API
+    key middleware guards them as any path); and the middlewares of --enable-server-load-tracking and --enable-request-id-headers."""
     load = ServerLoad()
-    app.post("/invocations")(keyed(invocations))
+    app.post("/invocations")(bound(invocations))
     if config.enable_tokenizer_info_endpoint:
-        app.get("/tokenizer_info")(keyed(serve_tokenizer_info))
+        app.get("/tokenizer_info")(bound(serve_tokenizer_info))
 
     async def server_load(_: OpenAIServing, __: Request) -> Response:
         # vLLM serves /load always; the count stays 0 unless --enable-server-load-tracking
         return json_response({"server_load": load.in_progress})
-    app.get("/load")(keyed(server_load))
+    app.get("/load")(bound(server_load))
     if config.enable_server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, load=load)
     if config.enable_request_id_headers:   # added last, so outermost: the 401s and 503s inside carry it too

@@ -59,3 +59,18 @@ def test_an_empty_exempt_list_guards_the_probes_too() -> None:
     assert asyncio.run(call("/health", {})) == 401
     assert asyncio.run(call("/metrics", {})) == 401
     assert asyncio.run(call("/health", {"Authorization": "Bearer k1"})) == 200
+
+
+def test_auth_exempt_is_decided_in_one_place(server_model_dir, tmp_path) -> None:
+    """An exempt model route answers without the key (a route's own second check once refused it anyway),
+    and a route left out of the list still needs it."""
+    srv = ServerProcess(server_model_dir, tmp_path / "server.log", "--max-model-len", "128",
+                        "--kv-cache-memory", str(4 << 20), "--auth-exempt", "/health,/v1/models",
+                        api_key=API_KEY).wait_ready()
+    try:
+        r = httpx.get(srv.base_url + "/v1/models", timeout=10)
+        assert r.status_code == 200 and r.json()["data"], r.text
+        assert httpx.get(srv.base_url + "/metrics", timeout=10).status_code == 401   # no longer exempt
+        assert httpx.get(srv.base_url + "/load", timeout=10).status_code == 401
+    finally:
+        srv.stop()
