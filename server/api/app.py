@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,7 +22,6 @@ from .api_key import APIKeyMiddleware
 from .chat import create_chat_completion
 from .chat_batch import BatchChatCompletionRequest, create_chat_batch
 from .completions import create_completion
-from .debug import kv_blocks_report
 from .drain_cutoff import DrainCutoffMiddleware
 from .errors import APIError, install_error_handlers
 from .kv_events import stream_kv_events
@@ -34,6 +33,9 @@ from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, Model
 from .serving import OpenAIServing, ServerConfig
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from .vllm_endpoints import install_vllm_endpoints
+
+if TYPE_CHECKING:
+    from pagedmodel.server.engine.engine_client import EngineClient
 
 logger = logging.getLogger("pagedmodel.server.api")
 
@@ -80,7 +82,7 @@ def _package_version() -> str:
         return "unknown"
 
 
-def build_app(engine: Any, config: ServerConfig) -> FastAPI:
+def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The FastAPI app serving `engine`; the engine loop thread runs for the app's lifespan."""
     serving = OpenAIServing(engine, config)
 
@@ -154,6 +156,6 @@ def build_app(engine: Any, config: ServerConfig) -> FastAPI:
     if config.enable_debug_endpoints:
         @app.get("/debug/kv_blocks")
         async def debug_kv_blocks() -> Response:
-            return JSONResponse(await serving.async_engine.call(kv_blocks_report))
+            return JSONResponse(await serving.async_engine.call(lambda engine: engine.kv_blocks_report()))
 
     return app

@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pagedmodel.server.engine.engine_client import EngineClient
+from pagedmodel.server.engine.input_processor import ProcessedPrompt, check_cache_salt
 from pagedmodel.server.engine.outputs import RequestOutput, RequestProgress
 from pagedmodel.server.engine.sampling_params import SamplingParams
 
@@ -40,17 +42,6 @@ class QueueFullError(RuntimeError):
         self.retry_after = retry_after
 
 
-class EngineLike(Protocol):
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None: ...
-    def abort_request(self, request_id: str) -> None: ...
-    def step(self) -> list[RequestOutput]: ...
-    step_progress: list[RequestProgress]   # the last step's news per request, whatever its output kind
-    def has_unfinished_requests(self) -> bool: ...
-    def stats(self) -> Any: ...
-
-
 class StepObserver(Protocol):
     """Called on the loop thread; metrics use it. Must be cheap and must not raise."""
 
@@ -63,18 +54,17 @@ class SubRequest:
     """One engine request inside an HTTP request: one prompt, with all of its n samples."""
 
     request_id: str
-    prompt: str | list[int]
+    prompt: list[int]               # token ids the handler checked (check_prompt) with these params
     params: SamplingParams
     prompt_index: int
     cache_salt: str | None = None   # prefix-cache blocks are shared only within one salt
     lora: Any = None                # the LoRA adapter it runs under (None: the base model)
     embeds: Any = None              # a PromptEmbeds: prompt positions given as embeddings (None: none)
 
-    def engine_prompt(self) -> Any:
-        """The prompt in the engine's form (input_processor.py)."""
-        if self.embeds is None:
-            return self.prompt
-        return {"prompt_token_ids": self.prompt, "prompt_embeds": self.embeds}
+    def engine_prompt(self) -> ProcessedPrompt:
+        """The prompt as the engine takes a checked one: the handler ran ``check_prompt`` on these ids with
+        these params before it submitted them (serving.py), so the engine does not check them again."""
+        return ProcessedPrompt(None, list(self.prompt), check_cache_salt(self.cache_salt), self.embeds)
 
 
 class RequestGroup:
@@ -165,7 +155,7 @@ class _Call:
 class AsyncEngine:
     """Runs `engine` on a background thread; `add` / `abort` are called from the asyncio loop."""
 
-    def __init__(self, engine: EngineLike, *, max_queue_len: int | None = None,
+    def __init__(self, engine: EngineClient, *, max_queue_len: int | None = None,
                  observer: StepObserver | None = None, retry_after_s: int = 1,
                  heap_trimmer: HeapTrimmer | None = None):
         self.engine = engine
@@ -284,7 +274,7 @@ class AsyncEngine:
             for sub in group.subs:
                 lora = {"lora_request": sub.lora} if sub.lora is not None else {}
                 self.engine.add_request(sub.request_id, sub.engine_prompt(), sub.params, arrival_time=cmd.arrival_time,
-                                        priority=cmd.priority, cache_salt=sub.cache_salt, **lora)
+                                        priority=cmd.priority, **lora)
                 added.append(sub.request_id)
                 self._groups[sub.request_id] = group
         except Exception as exc:  # validation errors reach the handler; partial groups are undone

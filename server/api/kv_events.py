@@ -41,7 +41,7 @@ def parse_since(request: Request) -> tuple[int | None, str | None]:
 
 
 async def stream_kv_events(serving: OpenAIServing, request: Request) -> StreamingResponse:
-    log: KVEventLog | None = getattr(serving.engine, "kv_events", None)
+    log: KVEventLog | None = serving.engine.kv_events
     if log is None:
         raise APIError(404, "this engine publishes no KV events: prefix caching is off "
                             "(start it with --enable-prefix-caching)", code="kv_events_unavailable")

@@ -35,7 +35,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def registry(serving: OpenAIServing) -> Any:
-    return getattr(serving.engine, "lora_registry", None)
+    return serving.engine.lora_registry
 
 
 def resolve_model(serving: OpenAIServing, model: str | None) -> Any:

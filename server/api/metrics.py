@@ -105,22 +105,6 @@ def _lora_info(stats: Any) -> Metric:
     return g
 
 
-def cache_config_labels(engine: Any) -> dict[str, str]:
-    """vllm:cache_config_info's labels, read once from a loaded engine (its KV cache never changes size)."""
-    args = getattr(engine, "args", None)
-    worker = getattr(engine, "worker", None)
-    dtype = getattr(worker, "dtype", None)
-
-    def arg(name: str) -> str:
-        return str(getattr(args, name, ""))
-    return {"block_size": arg("block_size"),
-            "cache_dtype": str(dtype).removeprefix("torch.") if dtype is not None else "",
-            "num_gpu_blocks": str(getattr(worker, "num_blocks", "")),
-            "num_cpu_blocks": str(getattr(worker, "num_cpu_blocks", "")),
-            "swap_space": arg("swap_space"), "enable_prefix_caching": arg("enable_prefix_caching"),
-            "gpu_memory_utilization": arg("gpu_memory_utilization")}
-
-
 class ServerMetrics:
     """The metrics of one model server, in their own registry (tests run several servers per process)."""
 

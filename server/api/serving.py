@@ -31,7 +31,7 @@ from .embedding_payload import EmbeddingPayloadError, decode_embeddings
 from .errors import UNSERVED_HEADER, APIError, validation_message
 from pagedmodel.server.http_common.http_limits import HTTPLimits, read_body
 from .lora_adapters import resolve_model
-from .metrics import ServerMetrics, cache_config_labels
+from .metrics import ServerMetrics
 from .protocol import ChatMessage, CompletionTokensDetails, PromptTokensDetails, UsageInfo
 from .tool_definitions import FunctionTool
 from .tool_prompt import prepare_chat
@@ -39,6 +39,7 @@ from .tool_prompt import prepare_chat
 if TYPE_CHECKING:
     import torch
 
+    from pagedmodel.server.engine.engine_client import EngineClient
     from pagedmodel.server.engine.prompt_embeds import PromptEmbeds
 
 logger = logging.getLogger("pagedmodel.server.api")
@@ -63,7 +64,7 @@ class ServerConfig:
     # vLLM's --enable-auto-tool-choice / --tool-call-parser: tool_choice "auto" needs both
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
-    enable_debug_endpoints: bool = False   # GET /debug/kv_blocks (debug.py)
+    enable_debug_endpoints: bool = False   # GET /debug/kv_blocks (LLMEngine.kv_blocks_report)
     auth_exempt: tuple[str, ...] = DEFAULT_AUTH_EXEMPT   # paths served without the API key
     limits: HTTPLimits = field(default_factory=HTTPLimits)   # docs/limits.md
     # vLLM's flags of the same names (vllm_flags.py, docs/vllm_compat.md)
@@ -88,7 +89,7 @@ def _bad_request(exc: InvalidRequestError) -> APIError:
 class OpenAIServing:
     """Request handling shared by the endpoints: parsing, validation, tokenization, response building."""
 
-    def __init__(self, engine: Any, config: ServerConfig, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: EngineClient, config: ServerConfig, metrics: ServerMetrics | None = None):
         self.engine = engine
         self.config = config
         self.model_name = config.served_model_name
@@ -112,7 +113,7 @@ class OpenAIServing:
         self.async_engine = AsyncEngine(engine, max_queue_len=config.max_queue_len,
                                         retry_after_s=config.retry_after_s, heap_trimmer=heap_trimmer())
         self.metrics = metrics or ServerMetrics(self.model_name, lambda: self.async_engine.last_stats,
-                                                cache_config=cache_config_labels(engine))
+                                                cache_config=engine.cache_config_info())
         self.async_engine.observer = self.metrics
         self.draining = False
 

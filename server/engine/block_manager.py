@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
+from typing import Any
 
 from .allocation_timer import AllocationTimer
 from .block_pool import Block, BlockPool
@@ -257,6 +258,28 @@ class BlockManager:
         self.prefix_hits += num_hit_tokens
 
     # ---- invariants (tests call this after every step) -----------------------------------------
+    def report(self) -> dict[str, Any]:
+        """The pools' counts and ``check_invariants()``'s verdict (GET /debug/kv_blocks): what a soak needs to
+        prove no block leaked. One pass over the pool; call between steps."""
+        try:
+            self.check_invariants()
+            invariant_error = None
+        except AssertionError as exc:
+            invariant_error = str(exc) or "invariant violated"
+        cpu = self.cpu_pool
+        return {
+            "num_blocks": self.pool.num_blocks,
+            "blocks_free": self.pool.num_free,
+            "blocks_in_use": self.pool.num_blocks - self.pool.num_free,
+            "blocks_cached": self.pool.num_cached,          # full blocks findable by prefix hash (free or not)
+            "num_cpu_blocks": cpu.num_blocks if cpu is not None else 0,
+            "cpu_blocks_in_use": (cpu.num_blocks - cpu.num_free) if cpu is not None else 0,
+            "sequences_resident": len(self.tables),
+            "sequences_swapped": len(self.cpu_tables),
+            "invariants_ok": invariant_error is None,
+            "invariant_error": invariant_error,
+        }
+
     def check_invariants(self) -> None:
         for pool, tables in ((self.pool, self.tables), (self.cpu_pool, self.cpu_tables)):
             if pool is None:

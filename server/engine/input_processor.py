@@ -35,6 +35,10 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
+    """A prompt parsed, tokenized and checked against its request's parameters. Its maker ran the checks
+    (``InputProcessor.process``, or ``check_prompt`` on its token ids, as the API does before it submits),
+    so the engine takes it as it is: a request is validated once."""
+
     text: str | None          # None when the prompt came as token ids or embeddings
     token_ids: list[int]
     cache_salt: str | None
@@ -85,7 +89,12 @@ class InputProcessor:
         self.block_size = block_size
 
     def process(self, prompt: object, params: SamplingParams, cache_salt: str | None = None) -> ProcessedPrompt:
-        """Parse, tokenize and check one prompt (any of the forms in the module docstring)."""
+        """Parse, tokenize and check one prompt (any of the forms in the module docstring); a ProcessedPrompt
+        was checked by its maker and is returned as it is."""
+        if isinstance(prompt, ProcessedPrompt):
+            if cache_salt is not None:
+                raise InvalidRequestError("cache_salt is given twice: in the prompt and as an argument", "cache_salt")
+            return prompt
         if isinstance(prompt, Mapping):
             if "prompt_embeds" in prompt:
                 return self._process_embeds(prompt, params, cache_salt)

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Union
 
 from .args import EngineArgs
+from .engine_client import EngineClient
 from .lora.lora_request import LoRARequest
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput, RequestOutputKind
@@ -17,7 +18,7 @@ PromptType = Union[str, list[int], Mapping[str, object]]
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self.engine: EngineClient = LLMEngine(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
     @property

@@ -13,6 +13,7 @@ import random
 import time
 from dataclasses import replace
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
 
 from .args import ConfigError, EngineArgs, parse_lora_module
 from .beam_group import BeamGroup
@@ -252,3 +253,15 @@ class LLMEngine:
     # ---- observability -------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         return self.scheduler.stats()
+
+    def cache_config_info(self) -> dict[str, str]:
+        """vllm:cache_config_info's labels: the KV cache as sized at start (it never changes)."""
+        a = self.args
+        return {"block_size": str(a.block_size), "cache_dtype": str(self.worker.dtype).removeprefix("torch."),
+                "num_gpu_blocks": str(self.worker.num_blocks), "num_cpu_blocks": str(self.worker.num_cpu_blocks),
+                "swap_space": str(a.swap_space), "enable_prefix_caching": str(a.enable_prefix_caching),
+                "gpu_memory_utilization": str(a.gpu_memory_utilization)}
+
+    def kv_blocks_report(self) -> dict[str, Any]:
+        """The block manager's counts and invariant check (GET /debug/kv_blocks); on the engine thread only."""
+        return {**self.scheduler.block_manager.report(), "unfinished_requests": self.has_unfinished_requests()}

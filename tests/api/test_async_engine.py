@@ -38,7 +38,7 @@ class RecordingEngine:
         self.step_progress = []
 
     def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None):
-        if not prompt:
+        if not prompt.token_ids:   # a ProcessedPrompt (SubRequest.engine_prompt)
             raise ValueError("empty prompt")
         with self.lock:
             self.calls.append(("add", request_id, time.monotonic()))
