@@ -150,7 +150,7 @@ class LLMEngine:
             max_new = min(params.max_tokens, limit) if params.max_tokens is not None else limit
             search = BeamSearch(params.best_of, params.length_penalty, params.early_stopping,
                                 () if params.ignore_eos else self.eos_token_ids, max_new_tokens=max_new)
-            self.sampler.add_beam_search(BeamGroup(group, search))
+            group.beams = BeamGroup(group, search)
         so = params.structured_outputs
         grammar = self.grammars.compile(so) if so is not None else None
         if grammar is not None and not grammar.done():
@@ -158,7 +158,7 @@ class LLMEngine:
             self._compiling[request_id] = (group, grammar)
             return
         if grammar is not None:
-            self.sampler.add_grammar(group, self.grammars.wait(grammar, so))   # a bad spec raises, holding nothing
+            group.grammar = self.grammars.wait(grammar, so)   # a bad spec raises, holding nothing
         self.requests[request_id] = group
         self.scheduler.add(group)
 
@@ -185,8 +185,7 @@ class LLMEngine:
         if group is None:
             return
         self._compiling.pop(request_id, None)
-        self.scheduler.abort(group)
-        self.sampler.drop(group)
+        self.scheduler.abort(group)   # its sampling state goes with the group
 
     def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache (vLLM's reset_prefix_cache); False while requests hold blocks."""
@@ -223,7 +222,6 @@ class LLMEngine:
         for group in update.touched.values():
             if group.is_finished:
                 self.requests.pop(group.request_id, None)
-                self.sampler.drop(group)
         return failed + outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -234,7 +232,7 @@ class LLMEngine:
                 continue
             del self._compiling[request_id]
             try:
-                self.sampler.add_grammar(group, self.grammars.wait(grammar, group.params.structured_outputs))
+                group.grammar = self.grammars.wait(grammar, group.params.structured_outputs)
             except SamplingParamsError as exc:
                 log.warning("request %s: %s; aborted", request_id, exc)
                 for seq in group.seqs:

@@ -29,11 +29,10 @@ import torch
 
 from pagedmodel.kernels import cpu_ops
 
-from .beam_group import BeamGroup
 from .penalties import apply_penalties, needs_penalties
 from .random_sampling import draw
 from .sampling_params import SamplingParams
-from .sequence import Sequence, SequenceGroup
+from .sequence import SampleState, Sequence, SequenceGroup
 from .step_types import ModelRunnerOutput, PromptLogprobs, PromptRanks, SampleResult, SamplerOutput
 from .thinking_budget import ThinkingBudget, ThinkingMarkers
 from .watermark import ContextHistory, context_of, context_seed, watermark_applies, watermarked_draw
@@ -239,49 +238,27 @@ def _with_chosen(top: dict[int, float] | None, token: int, logprob: float) -> di
 
 
 class Sampler:
-    """Per-request sampling state (seeded generators, beam searches) and the step's draws."""
+    """The step's draws. It keeps no per-request state: each sample's generator, grammar matcher, thinking
+    budget and watermark history live on its request (``SequenceGroup.sample_states``), made here at the
+    sample's first draw, and go with the request."""
 
     def __init__(self, device: torch.device, eos_token_ids: set[int], thinking: ThinkingMarkers | None = None,
                  watermark: WatermarkConfig | None = None):
         self.device = device
         self.watermark = watermark
-        self._histories: dict[tuple[str, int], ContextHistory] = {}   # (request, sample index): contexts seen
         self.eos_token_ids = eos_token_ids   # shared with the stop checker
         self.thinking = thinking             # None: no reasoning config, and no request may ask for a budget
-        self._budgets: dict[tuple[str, int], ThinkingBudget] = {}   # (request, sample index)
-        self._generators: dict[tuple[str, int], torch.Generator] = {}   # (request, sample index)
-        self._beams: dict[str, BeamGroup] = {}
-        self._grammars: dict[str, Any] = {}                    # request -> xgrammar.CompiledGrammar
-        self._matchers: dict[tuple[str, int], Any] = {}        # (request, sample index) -> GrammarMatcher
 
-    def add_beam_search(self, beams: BeamGroup) -> None:
-        self._beams[beams.group.request_id] = beams
-
-    def add_grammar(self, group: SequenceGroup, compiled: Any) -> None:
-        """Constrain every sample of ``group`` by ``compiled``; each sample gets its own matcher."""
-        self._grammars[group.request_id] = compiled
-
-    def drop(self, group: SequenceGroup) -> None:
-        """Forget a finished or aborted request's state."""
-        self._beams.pop(group.request_id, None)
-        self._grammars.pop(group.request_id, None)
-        for index in range(group.params.best_of):
-            self._generators.pop((group.request_id, index), None)
-            self._matchers.pop((group.request_id, index), None)
-            self._budgets.pop((group.request_id, index), None)
-            self._histories.pop((group.request_id, index), None)
-
-    def sample(self, out: "ModelRunnerOutput") -> SamplerOutput:
+    def sample(self, out: ModelRunnerOutput) -> SamplerOutput:
         result = SamplerOutput()
         rows: list[SamplingRow] = []
         owners: list[int] = []
         row_logits: list[int] = []
         for i, s in enumerate(out.sampled):
             group, seq = s.group, s.seq
-            beams = self._beams.get(group.request_id)
-            if beams is not None:
-                if beams.offer(seq, out.logits[i]):
-                    result.beams[group.request_id] = beams.decide()
+            if group.beams is not None:
+                if group.beams.offer(seq, out.logits[i]):
+                    result.beams[group.request_id] = group.beams.decide()
                 continue
             indices = [seq.index]
             if seq.num_output_tokens == 0 and len(group.seqs) < group.params.best_of:
@@ -294,7 +271,8 @@ class Sampler:
             if row_logits == list(range(out.logits.shape[0])):   # one row per sequence, the usual step
                 logits = out.logits   # sample() may mask it in place: nothing reads it after this
             else:
-                logits = out.logits.index_select(0, torch.tensor(row_logits, dtype=torch.long, device=out.logits.device))
+                rows_at = torch.tensor(row_logits, dtype=torch.long, device=out.logits.device)
+                logits = out.logits.index_select(0, rows_at)
             for seq_id, sampled in zip(owners, sample(logits, rows)):
                 result.samples.setdefault(seq_id, []).append(sampled)
         for seq_id, (s, logprobs) in out.prompt_logprobs.items():
@@ -305,57 +283,45 @@ class Sampler:
     def _row(self, group: SequenceGroup, seq: Sequence, index: int) -> SamplingRow:
         """The row for sample ``index`` drawn from ``seq``'s logits (a fork-to-be shares its parent's tokens)."""
         p = group.params
-        gen = None
-        if not p.greedy:
-            gen = self._generators.get((group.request_id, index))
-            if gen is None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed((group.seed + 1_000_003 * index) % 2**63)
-                self._generators[(group.request_id, index)] = gen
+        state = group.sample_states.get(index)
+        if state is None:
+            state = group.sample_states[index] = SampleState()
+        if not p.greedy and state.generator is None:
+            state.generator = torch.Generator(device=self.device)
+            state.generator.manual_seed((group.seed + 1_000_003 * index) % 2**63)
+        if group.grammar is not None and state.matcher is None:
+            import xgrammar as xgr
+
+            state.matcher = xgr.GrammarMatcher(group.grammar)
         banned: tuple[int, ...] = ()
         if seq.num_output_tokens < p.min_tokens:
             banned = tuple(sorted((set() if p.ignore_eos else self.eos_token_ids) | set(p.stop_token_ids)))
-        return SamplingRow(p, group.prompt_token_ids, seq.output_token_ids, gen, banned,
-                           self._matcher(group.request_id, index),
-                           forced_token_id=self._forced_token(group, seq, index),
-                           watermark_seed=self._watermark_seed(group, seq, index))
+        return SamplingRow(p, group.prompt_token_ids, seq.output_token_ids, state.generator if not p.greedy else None,
+                           banned, state.matcher, forced_token_id=self._forced_token(group, seq, state),
+                           watermark_seed=self._watermark_seed(group, seq, state))
 
-    def _forced_token(self, group: SequenceGroup, seq: Sequence, index: int) -> int | None:
-        """The end-marker token sample ``index`` must take now, when its thinking budget is spent."""
+    def _forced_token(self, group: SequenceGroup, seq: Sequence, state: SampleState) -> int | None:
+        """The end-marker token the sample must take now, when its thinking budget is spent."""
         budget = group.params.thinking_token_budget
         if budget is None or self.thinking is None:
             return None
-        key = (group.request_id, index)
-        state = self._budgets.get(key)
-        if state is None or state.seen > seq.num_output_tokens:   # new, or its tokens went (never, today)
-            state = self._budgets[key] = ThinkingBudget(self.thinking, budget, group.prompt_token_ids)
-        state.sync(seq.token_ids, seq.num_prompt_tokens)
-        return state.forced_token
+        if state.budget is None or state.budget.seen > seq.num_output_tokens:   # new, or its tokens went (never, today)
+            state.budget = ThinkingBudget(self.thinking, budget, group.prompt_token_ids)
+        state.budget.sync(seq.token_ids, seq.num_prompt_tokens)
+        return state.budget.forced_token
 
-    def _watermark_seed(self, group: SequenceGroup, seq: Sequence, index: int) -> int | None:
+    def _watermark_seed(self, group: SequenceGroup, seq: Sequence, state: SampleState) -> int | None:
         """The seed of this step's keyed noise, or None for an ordinary draw: an unwatermarked request, or a
         context this sample already drew from (its noise would repeat its token and its evidence)."""
         config = self.watermark
         if config is None or not watermark_applies(config, group.params):
             return None
-        history = self._histories.get((group.request_id, index))
-        if history is None:
-            history = self._histories[(group.request_id, index)] = ContextHistory(config, group.prompt_token_ids)
+        if state.history is None:
+            state.history = ContextHistory(config, group.prompt_token_ids)
         output = seq.output_token_ids
-        if history.repeated(output):
+        if state.history.repeated(output):
             return None
         return context_seed(config.key, context_of(output, config.context_width))
-
-    def _matcher(self, request_id: str, index: int) -> Any:
-        compiled = self._grammars.get(request_id)
-        if compiled is None:
-            return None
-        matcher = self._matchers.get((request_id, index))
-        if matcher is None:
-            import xgrammar as xgr
-
-            matcher = self._matchers[(request_id, index)] = xgr.GrammarMatcher(compiled)
-        return matcher
 
 
 def _prompt_entries(token_ids: list[int], start: int, logprobs: torch.Tensor,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
@@ -97,6 +97,18 @@ _arrival_order = itertools.count()
 
 
 @dataclass(eq=False)
+class SampleState:
+    """One sample's sampling state, made by the sampler at its first draw and kept on its request (through
+    preemption; a fork-to-be of ``best_of`` has its own before its Sequence exists): its seeded generator,
+    grammar matcher, thinking budget and watermark history, each None when the request needs none."""
+
+    generator: Any = None   # torch.Generator (seeded per sample)
+    matcher: Any = None     # xgrammar.GrammarMatcher
+    budget: Any = None      # ThinkingBudget
+    history: Any = None     # watermark ContextHistory
+
+
+@dataclass(eq=False)
 class SequenceGroup:
     """One request: its prompt, parameters, sequences (``n``/``best_of`` samples) and timings."""
 
@@ -116,6 +128,10 @@ class SequenceGroup:
     prompt_logprobs: list[dict[int, float] | None] | None = None   # filled when params.prompt_logprobs is set
     prompt_token_ranks: list[int | None] = field(default_factory=list)   # beside prompt_logprobs: each token's rank
     prompt_logprobs_sent: bool = False   # a DELTA request's prompt logprobs ride on its first output only
+    # the request's own sampling state, which goes with it when it finishes or is aborted
+    grammar: Any = None                 # xgrammar.CompiledGrammar of a structured-output request
+    beams: Any = None                   # the BeamGroup of a beam-search request
+    sample_states: dict[int, SampleState] = field(default_factory=dict)   # per sample index
 
     def __post_init__(self) -> None:
         if not self.seqs:

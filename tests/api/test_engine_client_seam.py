@@ -37,7 +37,8 @@ def llm_engine_members() -> set[str]:
     [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMEngine"]
     members = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
     for node in ast.walk(cls):
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         for target in targets:
             for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":

@@ -57,8 +57,7 @@ class Sim:
     def abort(self, rid: str) -> None:
         g = self.groups.pop(rid, None)
         if g is not None:
-            self.sched.abort(g)
-            self.sampler.drop(g)
+            self.sched.abort(g)   # its sampling state goes with it
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule(now=float(self.steps))
@@ -75,7 +74,6 @@ class Sim:
             self.forks += len(g.seqs) - sizes[g.request_id]
             if g.is_finished:
                 self.groups.pop(g.request_id, None)
-                self.sampler.drop(g)
         return out
 
     def _run_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
