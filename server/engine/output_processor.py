@@ -38,7 +38,7 @@ class OutputProcessor:
                 decision = update.finished_beams.get(group.request_id)
                 out = None if decision is None else self._beam_output(group, decision)
             else:
-                out = self._sample_output(group, update.new_token_counts)
+                out = self._sample_output(group)
             if out is not None:
                 outputs.append(out)
             progress.append(self._progress(group, update, out))
@@ -67,14 +67,14 @@ class OutputProcessor:
             return sorted(group.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:p.n]
         return sorted(group.seqs, key=lambda s: s.index)
 
-    def _sample_output(self, group: SequenceGroup, new_counts: dict[int, int]) -> RequestOutput | None:
+    def _sample_output(self, group: SequenceGroup) -> RequestOutput | None:
         p = group.params
         finished = group.is_finished
         if not finished and (p.best_of > p.n or p.output_kind is FINAL_ONLY):
             return None  # the best n are only known at the end; FINAL_ONLY waits for it
         delta = p.output_kind is DELTA and p.best_of == p.n   # best_of > n: its one output is whole
         hold = max((len(s) for s in p.stop), default=1) - 1  # never stream what may turn out to be a stop string
-        completions, counts = [], []
+        completions = []
         for i, seq in enumerate(self._reported_seqs(group)):
             text = seq.output_text
             if hold and not seq.is_finished:
@@ -88,13 +88,12 @@ class OutputProcessor:
             out.cumulative_logprob = seq.cumulative_logprob
             out.finish_reason, out.stop_reason = seq.status.finish_reason, seq.stop_reason
             completions.append(out)
-            counts.append(new_counts.get(seq.seq_id, 0))
         if delta and not completions and not finished:
             return None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
                              group.metrics, num_cached_tokens=group.num_cached_tokens,
                              prompt_logprobs=self._prompt_logprobs(group, delta),
-                             prompt_token_ranks=list(group.prompt_token_ranks), new_token_counts=counts)
+                             prompt_token_ranks=list(group.prompt_token_ranks))
 
     @staticmethod
     def _delta(seq: Sequence, text: str, with_logprobs: bool) -> CompletionOutput | None:
@@ -133,5 +132,4 @@ class OutputProcessor:
                 token_ids=list(hyp.tokens), cumulative_logprob=hyp.cum_logprob,
                 finish_reason="stop" if ended else "length"))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, True,
-                             group.metrics, num_cached_tokens=group.num_cached_tokens,
-                             new_token_counts=[len(c.token_ids) for c in completions])
+                             group.metrics, num_cached_tokens=group.num_cached_tokens)

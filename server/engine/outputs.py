@@ -64,7 +64,6 @@ class RequestOutput:
     num_cached_tokens: int = 0   # prompt tokens served from the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ranks: list[int | None] = field(default_factory=list)   # beside prompt_logprobs (None: first)
-    new_token_counts: list[int] = field(default_factory=list)  # tokens added this step, per output
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ class RecordingEngine:
                 self.tokens[rid].append(7)
                 outs.append(RequestOutput(rid, None, [1], [CompletionOutput(0, "x" * n, list(self.tokens[rid]),
                                           finish_reason="length" if done else None)], done,
-                                          RequestMetrics(time.time()), new_token_counts=[1]))
+                                          RequestMetrics(time.time())))
             return outs
 
     def stats(self):
